@@ -1,0 +1,27 @@
+"""``codespec bench``: benchmarks a user can run too.
+
+``codespec bench WORKLOAD.jsonl --methods off,ngram,hf,hf-pld`` runs the
+decoding methods side by side on a workload; ``codespec bench runner`` times
+the model runners; ``codespec bench index`` times the n-gram index;
+``codespec bench make-workloads`` builds the standard workloads from real code.
+Each prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+SUBCOMMANDS = {
+    "runner": "codespec.daemon.bench.runner",
+    "index": "codespec.daemon.bench.index",
+    "make-workloads": "codespec.daemon.bench.workloads",
+}
+
+
+def dispatch(argv: list[str]) -> int:
+    if argv and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[argv[0]])
+        return int(module.main(argv[1:]) or 0)
+    from codespec.daemon.bench.methods import main
+
+    return main(argv)

@@ -1,0 +1,38 @@
+"""Token n-gram dictionaries over the user's documents (``codespec.ngram_index``).
+
+Owns: LSP positions and text edits (:mod:`.positions`) and the incremental
+n-gram index with lookup, eviction and persistence (:mod:`.index`). Must not
+touch models, the engine or sockets.
+"""
+
+from codespec.ngram_index.index import (
+    Candidate,
+    NgramIndex,
+    TokenizerMismatch,
+    extend_matches,
+    tokenizer_hash,
+)
+from codespec.ngram_index.positions import (
+    LineIndex,
+    PositionError,
+    TextDocument,
+    apply_changes,
+    line_starts,
+    offset_at,
+    position_at,
+)
+
+__all__ = [
+    "Candidate",
+    "LineIndex",
+    "NgramIndex",
+    "PositionError",
+    "TextDocument",
+    "TokenizerMismatch",
+    "apply_changes",
+    "extend_matches",
+    "line_starts",
+    "offset_at",
+    "position_at",
+    "tokenizer_hash",
+]
