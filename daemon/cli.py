@@ -1,0 +1,201 @@
+"""The ``codespec`` command line.
+
+Owns: argument parsing and turning every expected failure (bad arguments, a
+missing model, a corrupt checkpoint, a missing file) into a one-line error
+and a non-zero exit status, never a traceback. Each subcommand delegates to
+the module that owns the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+
+class CliError(Exception):
+    """An expected failure: printed as ``codespec: error: ...`` with exit status 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like argparse but without usage spam
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # transformers missing is reported where it is needed
+        pass
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF model folder or cached name")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--runner", default="auto", choices=["auto", "lean", "hf"])
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text}")
+    return value
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from codespec.daemon.engine import Engine, GenParams
+    from codespec.speculators.registry import UnknownProposer, make_proposer, names
+
+    if args.speculation not in names():
+        raise CliError(
+            str(
+                UnknownProposer(
+                    f"unknown speculation {args.speculation!r}; choose one of {', '.join(names())}"
+                )
+            )
+        )
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                prompt = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read {args.file}: {exc}") from None
+    else:
+        prompt = args.prompt
+    if not prompt:
+        raise CliError("the prompt is empty")
+    if not 0 < args.top_p <= 1:
+        raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
+    engine = Engine(args.model, device=args.device, runner=args.runner)
+    try:
+        proposer = make_proposer(args.speculation, engine)
+    except UnknownProposer as exc:
+        raise CliError(str(exc)) from None
+    ids = engine.encode(prompt)
+    params = GenParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop or [],
+    )
+    stats = None
+    try:
+        for delta in engine.stream(ids, params, proposer):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            stats = delta.stats
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    sys.stdout.write("\n")
+    assert stats is not None
+    s = stats.as_dict()
+    print(
+        f"[{engine.runner.name} runner, {engine.device.type}, speculation {args.speculation}] "
+        f"{s['tokens']} tokens in {s['total_ms']:.0f} ms ({s['tokens_per_s']} tok/s), "
+        f"{s['target_forwards']} target forwards ({s['tokens_per_forward']} tokens/forward), "
+        f"ttft {s['ttft_ms']:.0f} ms, accepted {s['accepted']} of drafted {s['drafted']}",
+        file=sys.stderr,
+    )
+    if args.json:
+        print(json.dumps(s), file=sys.stderr)
+    return 0
+
+
+def cmd_train_model(args: argparse.Namespace, rest: list[str]) -> int:
+    from codespec.daemon import train_model
+
+    return train_model.main(rest)
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from codespec.daemon.bench import dispatch
+
+    return dispatch(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="codespec", description="Local code completion with speculative decoding.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate a continuation of a prompt in-process")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--file", help="read the prompt from a file")
+    g.add_argument("--max-tokens", type=positive_int, default=64)
+    g.add_argument("--speculation", default="auto", help="off, auto, or a proposer's name")
+    g.add_argument("--temperature", type=non_negative_float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="also print the stats as a JSON line")
+    add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train-model", help="train the embedded code model", add_help=False)
+    t.set_defaults(func=cmd_train_model, passthrough=True)
+    b = sub.add_parser("bench", help="benchmarks: WORKLOAD.jsonl | runner | index", add_help=False)
+    b.set_defaults(func=cmd_bench, passthrough=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    passthrough = {"train-model", "bench"}
+    if argv and argv[0] in passthrough:
+        args, rest = parser.parse_known_args(argv[:1])
+        rest = argv[1:]
+    else:
+        args, rest = parser.parse_args(argv), []
+    _quiet_libraries()
+    func: Callable = args.func
+    try:
+        if getattr(args, "passthrough", False):
+            return int(func(args, rest) or 0)
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        print("codespec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+    except Exception as exc:
+        from codespec.daemon.engine import ModelLoadError
+
+        if isinstance(exc, (CliError, ModelLoadError)):
+            print(f"codespec: error: {exc}", file=sys.stderr)
+            return 1
+        if os.environ.get("CODESPEC_DEBUG"):
+            raise
+        print(f"codespec: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""The decoding engine: model + tokenizer + KV cache + the speculative decode loop.
+
+Owns: loading a local checkpoint (the embedded model by default, any local
+Hugging Face causal LM or a name already in the local HF cache, offline),
+choosing the device and the runner, prefix reuse across requests, sampling,
+stop rules, incremental detokenization and per-request statistics.
+
+One decode step (``Engine.stream``): ``proposer.propose()`` → draft (chain or
+tree) → one target forward over ``[root] + draft`` → ``verify()`` → accepted
+tokens + the BONUS token → ``runner.keep()`` drops the rejected branches →
+a delta is yielded → ``proposer.observe()``.
+
+Must not touch: sockets, documents, editors. The engine is not thread-safe:
+the daemon serialises access to it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from codespec.daemon.prompts import FimTokens, find_fim, stop_token_ids
+from codespec.daemon.runner import HFRunner, Runner
+from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
+from codespec.speculators.verify import verify
+
+EMBEDDED_MODEL = Path(__file__).resolve().parent / "embedded"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or read; the message is one line for the user."""
+
+
+@dataclass
+class GenParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    max_draft: int = 16  # the most draft tokens verified in one forward
+
+
+@dataclass
+class Stats:
+    """Statistics of one request.
+
+    - ``tokens``: tokens generated (stop text excluded, the token that ended it counted).
+    - ``target_forwards``: every target forward, the prefill included; plain
+      decoding of N tokens takes N forwards, so ``tokens_per_forward`` is 1.0 there.
+    - ``accepted``/``drafted`` per source: draft tokens accepted / proposed; the
+      bonus token is never counted as accepted.
+    - ``mean_accepted``: accepted draft tokens per decode step, bonus not counted.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    tokens: int = 0
+    target_forwards: int = 0
+    decode_steps: int = 0
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    finish_reason: str = ""
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.tokens / self.total_ms if self.total_ms > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accepted.values()) / self.decode_steps if self.decode_steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "tokens": self.tokens,
+            "target_forwards": self.target_forwards,
+            "tokens_per_forward": round(self.tokens_per_forward, 3),
+            "mean_accepted_no_bonus": round(self.mean_accepted, 3),
+            "drafted": dict(self.drafted),
+            "accepted": dict(self.accepted),
+            "prefill_ms": round(self.prefill_ms, 2),
+            "ttft_ms": round(self.ttft_ms, 2),
+            "total_ms": round(self.total_ms, 2),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass
+class Delta:
+    """One streamed step: new text, the new token ids, what the step accepted."""
+
+    text: str
+    token_ids: list[int]
+    accepted: int
+    drafted: int
+    stats: Stats
+    done: bool = False
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for, but CUDA is not available")
+    if device not in ("cpu", "cuda"):
+        raise ModelLoadError(f"unknown device {device!r} (cpu, cuda or auto)")
+    return torch.device(device)
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    """A local folder, or a name already in the local HF cache; never a download."""
+    if model is None:
+        if not (EMBEDDED_MODEL / "config.json").exists():
+            raise ModelLoadError(f"the embedded model is missing from {EMBEDDED_MODEL}")
+        return str(EMBEDDED_MODEL)
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return str(path)
+    if str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        raise ModelLoadError(f"model path {model} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(str(model), local_files_only=True)
+    except Exception as exc:  # not in the local cache: we never download
+        raise ModelLoadError(
+            f"model {model} is neither a local folder nor in the local Hugging Face cache"
+        ) from exc
+
+
+def load_runner(
+    path: str, device: torch.device, runner: str = "auto", max_length: int | None = None
+) -> tuple[Runner, object]:
+    """Return (runner, HF config). ``runner`` is auto | lean | hf."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the model config in {path}: {_one_line(exc)}") from exc
+    if runner not in ("auto", "lean", "hf"):
+        raise ModelLoadError(f"unknown runner {runner!r} (auto, lean or hf)")
+    if runner in ("auto", "lean"):
+        lean = _lean_module()
+        if lean is not None and lean.supports(config):
+            try:
+                r = lean.LeanRunner.from_pretrained(
+                    path, device=str(device), dtype=dtype, max_length=max_length
+                )
+            except Exception as exc:
+                raise ModelLoadError(f"cannot load {path}: {_one_line(exc)}") from exc
+            return r, config
+        if runner == "lean":
+            raise ModelLoadError(f"the lean runner does not support {config.model_type!r}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load {path}: {_one_line(exc)}") from exc
+    return HFRunner(model.to(device), max_length=max_length), config
+
+
+def _lean_module():
+    import importlib.util
+
+    if importlib.util.find_spec("codespec.daemon.runner_lean") is None:
+        return None
+    from codespec.daemon import runner_lean
+
+    return runner_lean
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+class Engine:
+    """A resident model with one KV cache; serves one request at a time."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        device: str = "auto",
+        runner: str = "auto",
+        max_length: int | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_path = resolve_model_path(model)
+        self.device = pick_device(device)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load the tokenizer: {_one_line(exc)}") from exc
+        self.runner, self.config = load_runner(self.model_path, self.device, runner, max_length)
+        self.max_length = self.runner.max_length
+        vocab = self.tokenizer.get_vocab()
+        self.fim: FimTokens | None = find_fim(vocab)
+        self.stop_ids = stop_token_ids(vocab, self.tokenizer.eos_token_id, self.fim)
+        self.cached_ids: list[int] = []  # mirrors the runner's cache, token for token
+        self.lock = threading.Lock()
+
+    # -- text <-> ids ------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @property
+    def model_name(self) -> str:
+        return "embedded" if Path(self.model_path) == EMBEDDED_MODEL else self.model_path
+
+    # -- decoding ----------------------------------------------------------------------
+    def reset_cache(self) -> None:
+        """Forget every cached prefix (benchmarks start each run cold)."""
+        self.runner.reset()
+        self.cached_ids = []
+
+    def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """Feed the prompt after its longest cached prefix.
+
+        Returns the last row's logits and how many prompt tokens were reused.
+        """
+        common = 0
+        limit = min(len(self.cached_ids), len(prompt) - 1)
+        while common < limit and self.cached_ids[common] == prompt[common]:
+            common += 1
+        self.runner.truncate(common)
+        out = self.runner.forward(prompt[common:], last_only=True)
+        self.cached_ids = list(prompt)
+        return out.logits[-1:], common
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        params: GenParams,
+        proposer: Proposer | None = None,
+        info: RequestInfo | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Delta]:
+        """Generate from ``prompt_ids``, yielding one :class:`Delta` per target forward."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_length:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the model takes at most "
+                f"{self.max_length - 1}"
+            )
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        max_tokens = min(params.max_tokens, self.max_length - len(prompt_ids))
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        stats = Stats(prompt_tokens=len(prompt_ids))
+        t0 = time.perf_counter()
+        if proposer is not None:
+            proposer.begin(
+                info
+                or RequestInfo(
+                    prompt_ids=list(prompt_ids),
+                    temperature=params.temperature,
+                    max_tokens=max_tokens,
+                )
+            )
+        taps: tuple[int, ...] = tuple(getattr(proposer, "taps", ()) or ())
+        logits, stats.cached_tokens = self._prefill(list(prompt_ids))
+        stats.target_forwards = 1
+        _, first = verify(None, logits, params.temperature, params.top_p, gen)
+        stats.prefill_ms = (time.perf_counter() - t0) * 1000
+        out_ids: list[int] = []
+        detok = _Detokenizer(self, params.stop)
+        pending = first
+        new_tokens = [first]
+        accepted_n, drafted_n = 0, 0
+        while True:
+            # Stop rules, in token order: end of text, max tokens, stop strings.
+            finish = ""
+            for tok in new_tokens:
+                if tok in self.stop_ids:
+                    finish = "stop"
+                    break
+                out_ids.append(tok)
+                if len(out_ids) >= max_tokens:
+                    finish = "length"
+                    break
+            stats.tokens = len(out_ids) + (1 if finish == "stop" else 0)
+            text, hit = detok.push(out_ids, final=bool(finish))
+            if hit:
+                finish = "stop"
+                stats.tokens = detok.tokens_used
+            if cancel is not None and cancel.is_set() and not finish:
+                finish = "cancelled"
+            now = time.perf_counter()
+            if not stats.ttft_ms:
+                stats.ttft_ms = (now - t0) * 1000
+            stats.total_ms = (now - t0) * 1000
+            if finish:
+                text += detok.flush()
+                stats.finish_reason = finish
+                yield Delta(text, new_tokens, accepted_n, drafted_n, stats, done=True)
+                return
+            yield Delta(text, new_tokens, accepted_n, drafted_n, stats)
+            # One decode step.
+            remaining = max_tokens - len(out_ids)
+            budget = min(params.max_draft, remaining - 1, self.max_length - self.runner.length - 2)
+            draft: Draft | None = None
+            if proposer is not None and budget > 0:
+                context = list(prompt_ids) + out_ids
+                draft = proposer.propose(context, budget)
+                if draft is not None and len(draft) > budget:
+                    draft = draft.truncated(budget)
+            ids = [pending]
+            parents = None
+            if draft is not None and len(draft):
+                ids += draft.tokens
+                assert draft.parents is not None
+                if not draft.is_chain:
+                    parents = [-1] + [p + 1 for p in draft.parents]
+            fwd = self.runner.forward(ids, parents, taps=taps)
+            stats.target_forwards += 1
+            stats.decode_steps += 1
+            accepted, bonus = verify(draft, fwd.logits, params.temperature, params.top_p, gen)
+            self.runner.keep([0] + [a + 1 for a in accepted])
+            self.cached_ids.append(pending)
+            drafted_n = len(draft) if draft is not None else 0
+            accepted_n = len(accepted)
+            if draft is not None:
+                for i in range(len(draft)):
+                    src = draft.source(i)
+                    stats.drafted[src] = stats.drafted.get(src, 0) + 1
+                for a in accepted:
+                    src = draft.source(a)
+                    stats.accepted[src] = stats.accepted.get(src, 0) + 1
+                    self.cached_ids.append(draft.tokens[a])
+            new_tokens = [draft.tokens[a] for a in accepted] if draft is not None else []
+            new_tokens.append(bonus)
+            pending = bonus
+            if proposer is not None:
+                proposer.observe(
+                    StepResult(
+                        draft,
+                        accepted,
+                        bonus,
+                        list(new_tokens),
+                        logits=fwd.logits,
+                        hidden=fwd.hidden,
+                    )
+                )
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: GenParams,
+        proposer: Proposer | None = None,
+        info: RequestInfo | None = None,
+    ) -> tuple[str, Stats]:
+        text = []
+        stats = Stats()
+        for delta in self.stream(prompt_ids, params, proposer, info):
+            text.append(delta.text)
+            stats = delta.stats
+        return "".join(text), stats
+
+
+class _Detokenizer:
+    """Incremental text of a growing id list, holding back what may still change.
+
+    Held back: a trailing incomplete UTF-8 sequence (decoded as U+FFFD) and a
+    trailing piece that could be the start of a stop string.
+    """
+
+    def __init__(self, engine: Engine, stop: list[str]) -> None:
+        self.engine = engine
+        self.stop = [s for s in stop if s]
+        self.emitted = 0
+        self.text = ""
+        self.tokens_used = 0
+
+    def push(self, ids: list[int], final: bool) -> tuple[str, bool]:
+        self.text = self.engine.decode(ids)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.tokens_used = self._tokens_for(ids, at + len(s))
+                return self._take(len(self.text)), True
+        end = len(self.text)
+        if not final:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            for s in self.stop:
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if self.text[:end].endswith(s[:k]):
+                        end = min(end, len(self.text[:end]) - k)
+                        break
+        return self._take(max(end, self.emitted)), False
+
+    def _take(self, end: int) -> str:
+        piece = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return piece
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _tokens_for(self, ids: list[int], chars: int) -> int:
+        """The fewest leading tokens whose text covers ``chars`` characters."""
+        for n in range(1, len(ids) + 1):
+            if len(self.engine.decode(ids[:n])) >= chars:
+                return n
+        return len(ids)

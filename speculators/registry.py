@@ -1,0 +1,50 @@
+"""Proposers by name: what ``speculation: "auto" | "off" | NAME`` resolves to.
+
+Owns the table of proposer factories. Each factory takes the engine (for its
+tokenizer, model and config) and an optional n-gram index, and returns a fresh
+proposer for one request stream. Must not touch decoding itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from codespec.speculators.draft import Proposer
+
+Factory = Callable[[Any, Any], Proposer]
+
+
+def _ngram(engine: Any, index: Any) -> Proposer:
+    from codespec.speculators.ngram import NgramProposer
+
+    return NgramProposer(index=index)
+
+
+FACTORIES: dict[str, Factory] = {
+    "ngram": _ngram,
+}
+
+# What "auto" means until the policy that chooses per step lands: the n-gram
+# proposer, which proposes nothing (a plain decode step) when nothing matches.
+AUTO = "ngram"
+
+
+class UnknownProposer(ValueError):
+    pass
+
+
+def names() -> list[str]:
+    return ["off", "auto", *FACTORIES]
+
+
+def make_proposer(name: str, engine: Any = None, index: Any = None) -> Proposer | None:
+    """A proposer for ``name``; ``None`` for "off" (plain decoding)."""
+    if name == "off":
+        return None
+    if name == "auto":
+        name = AUTO
+    factory = FACTORIES.get(name)
+    if factory is None:
+        raise UnknownProposer(f"unknown speculation {name!r}; choose one of {', '.join(names())}")
+    return factory(engine, index)

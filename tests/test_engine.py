@@ -1,0 +1,97 @@
+"""Engine behaviour: prefix reuse, stop rules, streaming, seeded sampling, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codespec.daemon.engine import Engine, GenParams, ModelLoadError
+
+
+def run(engine, prompt, **kw):
+    text, stats = engine.generate(prompt, GenParams(**kw))
+    return text, stats
+
+
+def test_prefix_reuse_gives_the_same_output(engine):
+    base = engine.encode("import os\n\n\ndef list_files(path):\n    ")
+    longer = base + engine.encode("result = []\n    for name in os.listdir(path):\n        ")
+    engine.reset_cache()
+    cold, cold_stats = run(engine, longer, max_tokens=12)
+    engine.reset_cache()
+    run(engine, base, max_tokens=4)
+    warm, warm_stats = run(engine, longer, max_tokens=12)
+    assert warm == cold
+    assert cold_stats.cached_tokens == 0
+    assert warm_stats.cached_tokens >= len(base)
+
+
+def test_prefix_reuse_logits_match_fresh_prefill(engine):
+    """After generating, the cache rolled back to a shared prefix gives fresh-prefill logits."""
+    a = engine.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
+    engine.reset_cache()
+    run(engine, a, max_tokens=8)
+    logits_reused, common = engine._prefill([*a[:-3], a[-1]])
+    assert common == len(a) - 3
+    engine.reset_cache()
+    logits_fresh, _ = engine._prefill([*a[:-3], a[-1]])
+    assert torch.allclose(logits_reused, logits_fresh, atol=1e-4)
+
+
+def test_stop_string_truncates_and_streams_consistently(engine):
+    prompt = engine.encode("class Point:\n    def __init__(self, x, y):\n        self.x = x\n")
+    full, _ = run(engine, prompt, max_tokens=24)
+    middle = len(full) // 2
+    stop = full[middle : middle + 3]  # a stop string the model is sure to produce
+    assert len(stop) == 3
+    pieces = []
+    stats = None
+    for d in engine.stream(prompt, GenParams(max_tokens=24, stop=[stop])):
+        pieces.append(d.text)
+        stats = d.stats
+    text = "".join(pieces)
+    assert text == full[: full.index(stop)]
+    assert stats is not None and stats.finish_reason == "stop"
+
+
+def test_max_tokens_and_stream_concatenation(engine):
+    prompt = engine.encode("for i in range(10):\n")
+    deltas = list(engine.stream(prompt, GenParams(max_tokens=7)))
+    assert deltas[-1].done
+    stats = deltas[-1].stats
+    assert stats.tokens <= 7
+    text, _ = run(engine, prompt, max_tokens=7)
+    assert "".join(d.text for d in deltas) == text
+    assert stats.target_forwards == len(deltas)
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    prompt = engine.encode("def parse(line):\n")
+    a, _ = run(engine, prompt, max_tokens=12, temperature=0.9, seed=11)
+    b, _ = run(engine, prompt, max_tokens=12, temperature=0.9, seed=11)
+    c, _ = run(engine, prompt, max_tokens=12, temperature=0.9, seed=12, top_p=0.5)
+    assert a == b
+    assert isinstance(c, str)
+
+
+def test_bad_requests_raise_value_errors(engine):
+    with pytest.raises(ValueError):
+        list(engine.stream([], GenParams()))
+    with pytest.raises(ValueError):
+        list(engine.stream([1] * engine.max_length, GenParams()))
+    with pytest.raises(ValueError):
+        list(engine.stream([1, 2], GenParams(max_tokens=0)))
+
+
+def test_missing_model_is_a_load_error(tmp_path):
+    with pytest.raises(ModelLoadError):
+        Engine(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError):
+        Engine(tmp_path / "empty")
+
+
+def test_fim_tokens_and_stop_ids(engine):
+    assert engine.fim is not None
+    eot = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert eot in engine.stop_ids
