@@ -1,0 +1,274 @@
+"""NgramIndex: incremental edits equal a fresh build, ranked lookup, eviction, save/load."""
+
+from __future__ import annotations
+
+import functools
+import random
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from codespec.ngram_index import NgramIndex, PositionError, TextDocument, TokenizerMismatch
+from codespec.ngram_index.index import gram_keys
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+EXTRA = "x = 'é中😀'\r\nprint('é中😀')\r\n# naïve 中文 😀😀\n"
+
+
+@functools.cache
+def make_tokenizer(vocab_size: int = 700) -> Any:
+    """A tiny byte-level BPE built like the embedded model's (FIM specials at 0..4)."""
+    from codespec.daemon.train_model import train_tokenizer
+
+    texts = [(STDLIB / name).read_text()[:40_000] for name in ("ast.py", "textwrap.py")]
+    return train_tokenizer([*texts, EXTRA * 20], vocab_size)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return make_tokenizer()
+
+
+def ids(tok: Any, text: str) -> list[int]:
+    return tok.encode(text).ids
+
+
+def assert_fresh(idx: NgramIndex, uri: str) -> None:
+    """The incremental state of ``uri`` equals a from-scratch build of its text."""
+    d = idx._docs[uri]
+    enc = idx.tokenizer.encode(d.doc.text)
+    assert d.tokens.tolist() == enc.ids
+    assert d.starts.tolist() == [o[0] for o in enc.offsets]
+    keys = d.keys if d.keys is not None else gram_keys(d.tokens, idx.min_n)
+    assert keys.tolist() == gram_keys(np.asarray(enc.ids), idx.min_n).tolist()
+    assert d.doc.lines.starts.tolist() == TextDocument(d.doc.text).lines.starts.tolist()
+
+
+def edit(line: int, char: int, end_line: int, end_char: int, text: str) -> dict[str, Any]:
+    start = {"line": line, "character": char}
+    end = {"line": end_line, "character": end_char}
+    return {"range": {"start": start, "end": end}, "text": text}
+
+
+def utf16_position(text: str, offset: int) -> dict[str, int]:
+    """Independent reference: LSP position of a code-point offset."""
+    line = 0
+    line_start = 0
+    i = 0
+    while i < offset:
+        ch = text[i]
+        if ch == "\n" or (ch == "\r" and (i + 1 >= len(text) or text[i + 1] != "\n")):
+            line += 1
+            line_start = i + 1
+        i += 1
+    units = sum(2 if ord(c) > 0xFFFF else 1 for c in text[line_start:offset])
+    return {"line": line, "character": units}
+
+
+PIECES = [
+    "é", "中", "😀", "\r\n", "\r", "\n", " ", "  ", "    ", "\t", "x", "def ", "(", ")",
+    "'s", "1", "0.5", "return ", "<|endoftext|>", "\u00a0", "ab", ":", ",", "self.", "#",
+]  # fmt: skip
+
+
+def random_insert(rng: random.Random) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(rng.choice([0, 1, 1, 1, 2, 3, 6])))
+
+
+def test_random_edits_equal_a_fresh_build(tok: Any) -> None:
+    """Seeded random LSP edits (multi-byte, surrogate pairs, CRLF, lone CR, specials):
+    after every edit tokens, offsets, n-gram keys and lookups equal a fresh build."""
+    rng = random.Random(1234)
+    base = (STDLIB / "textwrap.py").read_text()[:1500]
+    idx = NgramIndex(tok, max_n=6, min_n=2)
+    idx.open("file:///a.py", base.replace("\n", "\r\n", 5) + EXTRA)
+    idx.open("file:///b.py", base[200:900], kind="workspace")
+    idx.compact()  # the first edit must take a frozen document out of the segment
+    for step in range(1500):
+        text = idx.text("file:///a.py")
+        if step % 250 == 249:
+            changes: list[dict] = [{"text": text[: len(text) // 2] + random_insert(rng)}]
+            expected = changes[0]["text"]
+        else:
+            changes, expected = [], text
+            for _ in range(rng.choice([1, 1, 1, 2, 3])):
+                s = rng.randrange(len(expected) + 1)
+                e = min(len(expected), s + rng.choice([0, 0, 1, 1, 2, 4, 12]))
+                new = random_insert(rng) if len(expected) > 400 else random_insert(rng) * 8
+                changes.append(
+                    {
+                        "range": {
+                            "start": utf16_position(expected, s),
+                            "end": utf16_position(expected, e),
+                        },
+                        "text": new,
+                    }
+                )
+                # An offset inside "\r\n" maps to the line's end, before the "\r".
+                s2 = TextDocument(expected).offset_at(utf16_position(expected, s))
+                e2 = TextDocument(expected).offset_at(utf16_position(expected, e))
+                expected = expected[:s2] + new + expected[e2:]
+        idx.change("file:///a.py", changes)
+        assert idx.text("file:///a.py") == expected
+        assert_fresh(idx, "file:///a.py")
+        if step % 100 == 0:
+            fresh = NgramIndex(tok, max_n=6, min_n=2)
+            fresh.open("file:///a.py", expected)
+            fresh.open("file:///b.py", base[200:900], kind="workspace")
+            toks = ids(tok, expected)
+            for cut in rng.sample(range(2, len(toks)), min(10, len(toks) - 2)):
+                got = idx.lookup(toks[:cut], uri="file:///a.py")
+                want = fresh.lookup(toks[:cut], uri="file:///a.py")
+                assert got == want
+
+
+def test_change_on_a_frozen_document_updates_lookup(tok: Any) -> None:
+    """After compaction, an edited document's old text is no longer found, its new text is."""
+    idx = NgramIndex(tok, max_n=4, min_n=2)
+    idx.open("file:///a.py", "alpha = beta_gamma()\nx = 1\n")
+    idx.open("file:///c.py", "unrelated = 2\n")
+    idx.compact()
+    ctx = ids(tok, "alpha =")
+    assert idx.lookup(ctx, uri="file:///c.py")[0].tokens[:2] == ids(tok, " beta_gamma")[:2]
+    idx.change("file:///a.py", [edit(0, 8, 0, 18, "delta_omega")])
+    assert idx.text("file:///a.py") == "alpha = delta_omega()\nx = 1\n"
+    cands = idx.lookup(ctx, uri="file:///c.py")
+    assert [c.tokens[:2] for c in cands] == [ids(tok, " delta_omega")[:2]]
+    assert_fresh(idx, "file:///a.py")
+
+
+def test_compaction_keeps_every_document_findable(tok: Any) -> None:
+    """Compacting while the current document sits in the old segment loses no other document."""
+    idx = NgramIndex(tok, max_n=4, min_n=2)
+    for name in ("a", "b", "c"):
+        idx.open(f"file:///{name}.py", f"value_{name} = compute_{name}()\n", kind="workspace")
+    idx.compact()
+    idx.touch("file:///a.py")
+    idx.compact()  # a.py leaves the segment, b.py and c.py are rebuilt into a new one
+    assert idx.incremental
+    for name in ("a", "b", "c"):
+        cands = idx.lookup(ids(tok, f"value_{name} ="), uri="file:///a.py")
+        assert tok.decode(cands[0].tokens).startswith(f" compute_{name}")
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["loose", "frozen"])
+def test_lookup_ranks_document_then_open_then_workspace(tok: Any, frozen: bool) -> None:
+    """The current document first (latest occurrence first), then open, then workspace;
+    alike whether the documents are loose (being edited) or in the frozen segment."""
+    idx = NgramIndex(tok, max_n=6, min_n=2)
+    idx.open("file:///cur.py", "result = compute(first)\nresult = compute(second)\n")
+    idx.open("file:///other.py", "result = compute(third)\n")
+    idx.open("file:///ws.py", "result = compute(fourth)\n", kind="workspace")
+    if frozen:
+        idx.compact()
+        assert idx.stats()["loose_documents"] == 0
+    ctx = ids(tok, "\nresult = compute(")
+    cands = idx.lookup(ctx, uri="file:///cur.py", k=6, b=8)
+    text = [tok.decode(c.tokens) for c in cands]
+    assert [c.source for c in cands] == ["document", "document", "open", "workspace"]
+    assert [t.split(")")[0] for t in text] == ["second", "first", "third", "fourth"]
+    assert [c.uri for c in cands][2:] == ["file:///other.py", "file:///ws.py"]
+    assert all(c.n >= 2 and c.count == 1 for c in cands)
+    assert cands[0].score == pytest.approx(0.5)
+    # b caps the number of candidates; k caps their length.
+    assert len(idx.lookup(ctx, uri="file:///cur.py", k=2, b=2)) == 2
+    assert all(len(c.tokens) <= 2 for c in idx.lookup(ctx, uri="file:///cur.py", k=2, b=8))
+    # Another document as current: ranking follows.
+    assert idx.lookup(ctx, uri="file:///ws.py", k=3)[0].source == "document"
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["loose", "frozen"])
+def test_longest_match_wins_and_nothing_matches_gives_nothing(tok: Any, frozen: bool) -> None:
+    """Within a tier only the longest suffix match is kept; an unseen context returns [];
+    of more than 64 occurrences the latest ones are read."""
+    idx = NgramIndex(tok, max_n=8, min_n=2)
+    idx.open("file:///a.py", "a.b.c = one\nq.b.c = two\n")
+    many = "".join(f"item = value{i}\n" for i in range(100))
+    idx.open("file:///many.py", many, kind="workspace")
+    if frozen:
+        idx.compact()
+    latest = idx.lookup(ids(tok, "\nitem = value"), uri="file:///a.py", k=3, b=1)
+    assert tok.decode(latest[0].tokens).startswith("99\n")
+    cands = idx.lookup(ids(tok, "\nq.b.c ="), uri="file:///a.py", k=4)
+    assert len(cands) == 1 and tok.decode(cands[0].tokens).strip() == "two"
+    assert cands[0].n > 2
+    assert idx.lookup(ids(tok, "zzzz_never_seen_qqq"), uri="file:///a.py") == []
+    with pytest.raises(ValueError):
+        idx.lookup([1, 2, 3], min_n=1)
+
+
+def test_eviction_is_lru_and_spares_the_current_document(tok: Any) -> None:
+    """Past max_tokens whole documents go, least recently used first, never the current one."""
+    text = (STDLIB / "textwrap.py").read_text()[:2000]
+    n = len(ids(tok, text))
+    idx = NgramIndex(tok, max_tokens=3 * n + 10)
+    idx.open("file:///cur.py", text)
+    idx.touch("file:///cur.py")
+    for name in ("w1", "w2"):
+        idx.open(f"file:///{name}.py", text, kind="workspace")
+    idx.touch("file:///w1.py")  # w1 is now used more recently than w2
+    idx.touch("file:///cur.py")
+    idx.open("file:///w3.py", text, kind="workspace")
+    assert "file:///w2.py" not in idx
+    assert all(f"file:///{u}.py" in idx for u in ("cur", "w1", "w3"))
+    stats = idx.stats()
+    assert stats["documents"] == 3 and stats["tokens"] == 3 * n
+    assert stats["tokens"] <= idx.max_tokens
+    assert 8 < stats["bytes_per_token"] < 200
+    # A budget smaller than one document: the current one and the one being opened stay.
+    small = NgramIndex(tok, max_tokens=10)
+    small.open("file:///big.py", text)
+    small.touch("file:///big.py")
+    small.open("file:///other.py", text, kind="workspace")
+    assert "file:///big.py" in small and "file:///other.py" in small
+    small.open("file:///third.py", text, kind="workspace")
+    assert "file:///big.py" in small and "file:///other.py" not in small
+
+
+def test_save_load_round_trip_and_tokenizer_mismatch(tok: Any, tmp_path: Path) -> None:
+    """A loaded index answers like the saved one without re-tokenizing; another tokenizer:
+    refused."""
+    idx = NgramIndex(tok, max_n=6, min_n=2)
+    idx.open("file:///a.py", "value = compute(x)\nvalue = compute(y)\n😀\r\n")
+    idx.open("file:///w.py", "value = compute(z)\n", kind="workspace")
+    idx.change("file:///a.py", [edit(2, 0, 2, 2, "中")])
+    path = tmp_path / "index.msgpack"
+    idx.save(path)
+    calls = 0
+    real_encode = tok.encode
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tok, name)
+
+        def encode(self, *a: Any, **kw: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            return real_encode(*a, **kw)
+
+    loaded = NgramIndex.load(path, Counting())
+    assert calls == 0
+    ctx = ids(tok, "\nvalue = compute(")
+    assert loaded.lookup(ctx, uri="file:///a.py") == idx.lookup(ctx, uri="file:///a.py")
+    for uri in ("file:///a.py", "file:///w.py"):
+        assert loaded.text(uri) == idx.text(uri)
+        assert loaded.tokens(uri) == idx.tokens(uri)
+    assert loaded.kind("file:///w.py") == "workspace"
+    # Edits keep working on the loaded state.
+    loaded.change("file:///a.py", [edit(0, 0, 0, 5, "v")])
+    assert_fresh(loaded, "file:///a.py")
+    with pytest.raises(TokenizerMismatch):
+        NgramIndex.load(path, make_tokenizer(650))
+
+
+def test_change_with_a_bad_position_raises_position_error(tok: Any) -> None:
+    idx = NgramIndex(tok)
+    idx.open("file:///a.py", "x = 1\n")
+    with pytest.raises(PositionError):
+        idx.change("file:///a.py", [edit(5, 0, 5, 0, "y")])
+    assert idx.text("file:///a.py") == "x = 1\n"
+    with pytest.raises(KeyError):
+        idx.change("file:///nope.py", [{"text": ""}])
