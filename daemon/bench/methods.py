@@ -1,0 +1,287 @@
+"""``codespec bench WORKLOAD.jsonl --methods off,NAME,...``: decoding methods side by side.
+
+Each workload line is a JSON object: ``{"id", "prompt" | "prompt_ids",
+"max_tokens"?, "kind"?, "documents"?: [{"uri", "text"}], "uri"?}``. Documents
+are opened in an n-gram index shared by the proposers (files of the same
+package, the old version of an edited file, ...).
+
+Methods: ``off`` (plain greedy decoding in our engine), any proposer name
+(``ngram``, ``auto``, ...), and the peers a user reaches for first: ``hf``
+(transformers ``generate()``) and ``hf-pld`` (``generate(prompt_lookup_num_tokens=...)``),
+on the same model and the same prompt tokens. Methods alternate per prompt so
+machine noise hits them alike; the KV cache is emptied before every run.
+
+Reported per method (and per workload kind): tokens, target forwards, tokens
+per forward (prefill counted as a forward), wall ms, speedup vs ``off``
+(sum of off's wall time over the method's, same prompts), and whether the
+output token ids equal off's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+PEERS = ("hf", "hf-pld")
+
+
+@dataclass
+class Run:
+    tokens: int
+    forwards: int
+    ms: float
+    ids: list[int]
+
+
+@dataclass
+class Agg:
+    prompts: int = 0
+    tokens: int = 0
+    forwards: int = 0
+    ms: float = 0.0
+    off_ms: float = 0.0
+    equal: int = 0
+    runs: list[float] = field(default_factory=list)
+
+
+def load_workload(path: str) -> list[dict[str, Any]]:
+    items = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            if not isinstance(item, dict) or not ("prompt" in item or "prompt_ids" in item):
+                raise ValueError(f"{path}:{n}: needs a 'prompt' or 'prompt_ids'")
+            items.append(item)
+    if not items:
+        raise ValueError(f"{path}: no prompts")
+    return items
+
+
+class HFPeer:
+    """transformers' own generate() on the engine's checkpoint, with a forward counter."""
+
+    def __init__(self, engine) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from codespec.daemon.runner import HFRunner
+
+        if isinstance(engine.runner, HFRunner):
+            self.model = engine.runner.model
+        else:
+            dtype = torch.bfloat16 if engine.device.type == "cuda" else torch.float32
+            self.model = AutoModelForCausalLM.from_pretrained(
+                engine.model_path, local_files_only=True, dtype=dtype
+            ).to(engine.device)
+        self.model.eval()
+        self.engine = engine
+        self.calls = 0
+        self.model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_: object) -> None:
+        self.calls += 1
+
+    def run(self, prompt: list[int], max_tokens: int, lookup: int | None) -> Run:
+        import torch
+
+        stop = sorted(self.engine.stop_ids)
+        x = torch.tensor([prompt], device=self.engine.device)
+        kwargs: dict[str, Any] = {}
+        if lookup:
+            kwargs["prompt_lookup_num_tokens"] = lookup
+        self.calls = 0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=stop,
+                pad_token_id=stop[0],
+                **kwargs,
+            )
+        ms = (time.perf_counter() - t0) * 1000
+        ids = out[0, len(prompt) :].tolist()
+        for i, t in enumerate(ids):
+            if t in self.engine.stop_ids:
+                ids = ids[:i]
+                break
+        return Run(len(ids), self.calls, ms, ids)
+
+
+def run_engine(engine, method: str, prompt: list[int], max_tokens: int, index, uri) -> Run:
+    from codespec.daemon.engine import GenParams
+    from codespec.speculators.draft import RequestInfo
+    from codespec.speculators.registry import make_proposer
+
+    engine.reset_cache()
+    proposer = make_proposer(method, engine, index)
+    info = RequestInfo(prompt_ids=prompt, uri=uri, max_tokens=max_tokens)
+    ids: list[int] = []
+    stats = None
+    t0 = time.perf_counter()
+    for delta in engine.stream(prompt, GenParams(max_tokens=max_tokens), proposer, info):
+        ids.extend(delta.token_ids)
+        stats = delta.stats
+    ms = (time.perf_counter() - t0) * 1000
+    assert stats is not None
+    ids = [t for t in ids if t not in engine.stop_ids][:max_tokens]
+    return Run(stats.tokens, stats.target_forwards, ms, ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="codespec bench", description=__doc__.splitlines()[0])
+    p.add_argument("workload", help="a JSONL workload (see `codespec bench make-workloads`)")
+    p.add_argument("--methods", default="off,ngram,hf,hf-pld")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    p.add_argument("--max-tokens", type=int, default=0, help="override every prompt's max_tokens")
+    p.add_argument("--lookup", type=int, default=10, help="hf-pld's prompt_lookup_num_tokens")
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--runner", default="auto")
+    args = p.parse_args(argv)
+
+    from codespec.daemon.engine import Engine
+    from codespec.speculators.registry import names
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in names() and m not in PEERS]
+    if bad:
+        print(f"codespec bench: unknown methods {bad}", file=sys.stderr)
+        return 2
+    if "off" not in methods:
+        methods.insert(0, "off")
+    items = load_workload(args.workload)
+    if args.limit:
+        items = items[: args.limit]
+    engine = Engine(args.model, device=args.device, runner=args.runner)
+    peer = HFPeer(engine) if any(m in PEERS for m in methods) else None
+    index = _build_index(engine, items)
+
+    prompts = [build_prompt(engine, item, args.max_tokens) for item in items]
+
+    def one(method: str, n: int) -> Run:
+        item = items[n]
+        prompt, max_tokens = prompts[n]
+        if method in PEERS:
+            assert peer is not None
+            return peer.run(prompt, max_tokens, args.lookup if method == "hf-pld" else None)
+        if index is not None and item.get("uri"):
+            index.touch(item["uri"])
+        return run_engine(engine, method, prompt, max_tokens, index, item.get("uri"))
+
+    for m in methods:  # warm-up: first prompt, every method, not timed
+        one(m, 0)
+    aggs: dict[tuple[str, str], Agg] = {}
+    for n, item in enumerate(items):
+        order = methods[n % len(methods) :] + methods[: n % len(methods)]
+        runs = {m: one(m, n) for m in order}
+        off = runs["off"]
+        for kind in ("all", item.get("kind", "prompt")):
+            for m, r in runs.items():
+                a = aggs.setdefault((kind, m), Agg())
+                a.prompts += 1
+                a.tokens += r.tokens
+                a.forwards += r.forwards
+                a.ms += r.ms
+                a.off_ms += off.ms
+                a.equal += int(r.ids == off.ids)
+        print(
+            f"  [{n + 1}/{len(items)}] {item.get('id', n)}: "
+            + "  ".join(f"{m} {r.ms:.0f}ms/{r.forwards}f" for m, r in runs.items()),
+            file=sys.stderr,
+        )
+    print_table(aggs, engine, args)
+    return 0
+
+
+def build_prompt(engine, item: dict[str, Any], max_override: int) -> tuple[list[int], int]:
+    """Token ids and max_tokens of one workload item (FIM when it has prefix / suffix)."""
+    from codespec.daemon.prompts import fim_prompt
+
+    max_tokens = max_override or int(item.get("max_tokens", 64))
+    if "new" in item and not max_override:  # an edit: room for the new text and a little more
+        max_tokens = min(max_tokens, len(engine.encode(item["new"])) + 16)
+    budget = engine.max_length - 1 - max_tokens
+    if "prefix" in item:
+        if engine.fim is None:
+            ids = engine.encode(item["prefix"])[-budget:]
+        else:
+            pre, suf = engine.encode(item["prefix"]), engine.encode(item.get("suffix", ""))
+            ids = fim_prompt(engine.fim, pre, suf, budget)
+    else:
+        ids = item.get("prompt_ids") or engine.encode(item["prompt"])
+        ids = ids[-budget:]
+    return ids, max_tokens
+
+
+def _build_index(engine, items: list[dict[str, Any]]):
+    docs = {d["uri"]: d["text"] for it in items for d in it.get("documents", [])}
+    if not docs:
+        return None
+    try:
+        from codespec.ngram_index import NgramIndex
+    except ImportError:
+        return None
+    index = NgramIndex(engine.tokenizer.backend_tokenizer)
+    for uri, text in docs.items():
+        index.open(uri, text)
+    return index
+
+
+def print_table(aggs: dict[tuple[str, str], Agg], engine, args: argparse.Namespace) -> None:
+    head = f"{'workload':<11}{'method':<9}{'prompts':>8}{'tokens':>8}{'forwards':>9}"
+    head += f"{'tok/fwd':>9}{'wall ms':>10}{'vs off':>8}{'= off':>8}"
+    print(
+        f"codespec bench {args.workload}  ({date.today()}, {platform.machine()}, "
+        f"{engine.device.type}, {engine.runner.name} runner, model {engine.model_name})"
+    )
+    print(head)
+    print("-" * len(head))
+    rows = []
+    for (kind, m), a in aggs.items():
+        tpf = a.tokens / a.forwards if a.forwards else 0.0
+        speed = a.off_ms / a.ms if a.ms else 0.0
+        print(
+            f"{kind:<11}{m:<9}{a.prompts:>8}{a.tokens:>8}{a.forwards:>9}{tpf:>9.2f}"
+            f"{a.ms:>10.0f}{speed:>7.2f}x{a.equal:>5}/{a.prompts:<2}"
+        )
+        rows.append(
+            {
+                "workload": kind,
+                "method": m,
+                "prompts": a.prompts,
+                "tokens": a.tokens,
+                "target_forwards": a.forwards,
+                "tokens_per_forward": round(tpf, 3),
+                "wall_ms": round(a.ms, 1),
+                "speedup_vs_off": round(speed, 3),
+                "equal_to_off": a.equal,
+            }
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "methods",
+                "workload": Path(args.workload).name,
+                "date": str(date.today()),
+                "device": engine.device.type,
+                "runner": engine.runner.name,
+                "rows": rows,
+            }
+        )
+    )
