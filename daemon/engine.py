@@ -217,6 +217,11 @@ class Engine:
         self.fim: FimTokens | None = find_fim(vocab)
         self.stop_ids = stop_token_ids(vocab, self.tokenizer.eos_token_id, self.fim)
         self.cached_ids: list[int] = []  # mirrors the runner's cache, token for token
+        # Hidden-state taps per cached position, kept while a proposer asks for them
+        # (EAGLE reads the prompt's states), so prefix reuse works for it too.
+        self._taps: tuple[int, ...] = ()
+        self._tap_buf: torch.Tensor | None = None  # (max_length, len(taps), H)
+        self._tap_valid = 0  # positions [0, _tap_valid) of the buffer are filled
         self.lock = threading.Lock()
 
     # -- text <-> ids ------------------------------------------------------------------
@@ -235,20 +240,52 @@ class Engine:
         """Forget every cached prefix (benchmarks start each run cold)."""
         self.runner.reset()
         self.cached_ids = []
+        self._tap_valid = 0
 
-    def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    def _prefill(self, prompt: list[int], taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, int]:
         """Feed the prompt after its longest cached prefix.
 
-        Returns the last row's logits and how many prompt tokens were reused.
+        Returns the last row's logits and how many prompt tokens were reused. With
+        ``taps``, the tapped hidden states of every prompt position end up in
+        :meth:`prompt_hidden` (reused positions included).
         """
         common = 0
         limit = min(len(self.cached_ids), len(prompt) - 1)
+        if taps:
+            if taps != self._taps or self._tap_buf is None:
+                self._taps = taps
+                self._tap_buf = None
+                self._tap_valid = 0
+            limit = min(limit, self._tap_valid)
         while common < limit and self.cached_ids[common] == prompt[common]:
             common += 1
         self.runner.truncate(common)
-        out = self.runner.forward(prompt[common:], last_only=True)
+        out = self.runner.forward(prompt[common:], taps=taps, last_only=True)
         self.cached_ids = list(prompt)
+        if taps:
+            assert out.hidden is not None
+            if self._tap_buf is None:
+                shape = (self.max_length, len(taps), out.hidden.shape[-1])
+                self._tap_buf = torch.empty(shape, dtype=out.hidden.dtype)
+            self._tap_buf[common : len(prompt)] = out.hidden
+            self._tap_valid = len(prompt)
+        else:
+            self._tap_valid = min(self._tap_valid, common)
         return out.logits[-1:], common
+
+    def prompt_hidden(self, n: int) -> torch.Tensor:
+        """Tapped hidden states of the first ``n`` cached positions, ``(n, len(taps), H)``."""
+        if self._tap_buf is None or n > self._tap_valid:
+            raise RuntimeError("no tapped hidden states for those positions")
+        return self._tap_buf[:n]
+
+    def _keep_taps(self, base: int, hidden: torch.Tensor | None, rows: list[int]) -> None:
+        """Record the kept rows' taps at positions ``base..`` after a verify step."""
+        if hidden is None or self._tap_buf is None or self._tap_valid != base:
+            self._tap_valid = min(self._tap_valid, base)
+            return
+        self._tap_buf[base : base + len(rows)] = hidden[rows]
+        self._tap_valid = base + len(rows)
 
     def stream(
         self,
@@ -285,7 +322,9 @@ class Engine:
                 )
             )
         taps: tuple[int, ...] = tuple(getattr(proposer, "taps", ()) or ())
-        logits, stats.cached_tokens = self._prefill(list(prompt_ids))
+        logits, stats.cached_tokens = self._prefill(list(prompt_ids), taps)
+        if proposer is not None and taps and hasattr(proposer, "prefilled"):
+            proposer.prefilled(self.prompt_hidden(len(prompt_ids)))
         stats.target_forwards = 1
         _, first = verify(None, logits, params.temperature, params.top_p, gen)
         stats.prefill_ms = (time.perf_counter() - t0) * 1000
@@ -342,7 +381,10 @@ class Engine:
             stats.target_forwards += 1
             stats.decode_steps += 1
             accepted, bonus = verify(draft, fwd.logits, params.temperature, params.top_p, gen)
-            self.runner.keep([0] + [a + 1 for a in accepted])
+            kept = [0] + [a + 1 for a in accepted]
+            base = self.runner.length - len(ids)
+            self.runner.keep(kept)
+            self._keep_taps(base, fwd.hidden, kept)
             self.cached_ids.append(pending)
             drafted_n = len(draft) if draft is not None else 0
             accepted_n = len(accepted)

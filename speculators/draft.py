@@ -157,7 +157,10 @@ class RequestInfo:
 
 class Proposer(Protocol):
     """``taps`` (optional attribute): decoder layers whose hidden states the proposer
-    wants in :class:`StepResult` (see ``Runner.forward``); absent or empty means none."""
+    wants in :class:`StepResult` (see ``Runner.forward``); absent or empty means none.
+    A proposer with taps may also define ``prefilled(hidden)``: called once per
+    request after the prefill with the taps of every prompt position,
+    ``(P, len(taps), H)``, cached positions included."""
 
     name: str
 

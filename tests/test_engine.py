@@ -95,3 +95,43 @@ def test_fim_tokens_and_stop_ids(engine):
     assert engine.fim is not None
     eot = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert eot in engine.stop_ids
+
+
+class _TapRecorder:
+    """A proposer that drafts nothing and records the hidden states it is given."""
+
+    name = "taps"
+    taps = (1, 2)
+
+    def __init__(self) -> None:
+        self.prompt_hidden = None
+        self.step_hidden = []
+
+    def begin(self, request):
+        pass
+
+    def prefilled(self, hidden):
+        self.prompt_hidden = hidden.clone()
+
+    def propose(self, context, budget):
+        return None
+
+    def observe(self, result):
+        self.step_hidden.append(result.hidden)
+
+
+def test_taps_survive_prefix_reuse(engine):
+    """The prompt's taps after prefix reuse equal those of a cold prefill."""
+    a = engine.encode("import re\n\n\ndef words(text):\n    return re.findall(")
+    b = a + engine.encode("r'\\w+', text)\n\n\ndef lines(text):\n")
+    engine.reset_cache()
+    cold = _TapRecorder()
+    engine.generate(b, GenParams(max_tokens=3), cold)
+    engine.reset_cache()
+    engine.generate(a, GenParams(max_tokens=3), _TapRecorder())
+    warm = _TapRecorder()
+    _, stats = engine.generate(b, GenParams(max_tokens=3), warm)
+    assert stats.cached_tokens > 0
+    assert warm.prompt_hidden.shape == (len(b), 2, engine.runner.hidden_size)
+    assert torch.allclose(warm.prompt_hidden, cold.prompt_hidden, atol=1e-4)
+    assert all(h is not None and h.shape[1] == 2 for h in warm.step_hidden)

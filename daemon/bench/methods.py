@@ -24,7 +24,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ class Run:
     forwards: int
     ms: float
     ids: list[int]
+    first_ms: float = 0.0  # time to the first generated token (the prefill, mostly)
 
 
 @dataclass
@@ -47,8 +48,9 @@ class Agg:
     forwards: int = 0
     ms: float = 0.0
     off_ms: float = 0.0
+    decode_ms: float = 0.0
+    off_decode_ms: float = 0.0
     equal: int = 0
-    runs: list[float] = field(default_factory=list)
 
 
 def load_workload(path: str) -> list[dict[str, Any]]:
@@ -62,8 +64,8 @@ def load_workload(path: str) -> list[dict[str, Any]]:
                 item = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-            if not isinstance(item, dict) or not ("prompt" in item or "prompt_ids" in item):
-                raise ValueError(f"{path}:{n}: needs a 'prompt' or 'prompt_ids'")
+            if not isinstance(item, dict) or not {"prompt", "prompt_ids", "prefix"} & set(item):
+                raise ValueError(f"{path}:{n}: needs a 'prompt', 'prompt_ids' or 'prefix'")
             items.append(item)
     if not items:
         raise ValueError(f"{path}: no prompts")
@@ -103,6 +105,7 @@ class HFPeer:
         if lookup:
             kwargs["prompt_lookup_num_tokens"] = lookup
         self.calls = 0
+        timer = _FirstTokenTimer()
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
@@ -112,6 +115,7 @@ class HFPeer:
                 do_sample=False,
                 eos_token_id=stop,
                 pad_token_id=stop[0],
+                streamer=timer,
                 **kwargs,
             )
         ms = (time.perf_counter() - t0) * 1000
@@ -120,7 +124,23 @@ class HFPeer:
             if t in self.engine.stop_ids:
                 ids = ids[:i]
                 break
-        return Run(len(ids), self.calls, ms, ids)
+        return Run(len(ids), self.calls, ms, ids, (timer.first - t0) * 1000 if timer.first else ms)
+
+
+class _FirstTokenTimer:
+    """A generate() streamer that notes when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first = 0.0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:  # the first put is the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 def run_engine(engine, method: str, prompt: list[int], max_tokens: int, index, uri) -> Run:
@@ -140,7 +160,7 @@ def run_engine(engine, method: str, prompt: list[int], max_tokens: int, index, u
     ms = (time.perf_counter() - t0) * 1000
     assert stats is not None
     ids = [t for t in ids if t not in engine.stop_ids][:max_tokens]
-    return Run(stats.tokens, stats.target_forwards, ms, ids)
+    return Run(stats.tokens, stats.target_forwards, ms, ids, stats.ttft_ms)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--runner", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from codespec.daemon.engine import Engine
     from codespec.speculators.registry import names
@@ -180,18 +205,20 @@ def main(argv: list[str] | None = None) -> int:
         if method in PEERS:
             assert peer is not None
             return peer.run(prompt, max_tokens, args.lookup if method == "hf-pld" else None)
-        if index is not None and item.get("uri"):
+        if index is not None and item.get("uri") in index:
             index.touch(item["uri"])
         return run_engine(engine, method, prompt, max_tokens, index, item.get("uri"))
 
     for m in methods:  # warm-up: first prompt, every method, not timed
         one(m, 0)
     aggs: dict[tuple[str, str], Agg] = {}
+    items_kinds = {item.get("kind", "prompt") for item in items}
     for n, item in enumerate(items):
         order = methods[n % len(methods) :] + methods[: n % len(methods)]
         runs = {m: one(m, n) for m in order}
         off = runs["off"]
-        for kind in ("all", item.get("kind", "prompt")):
+        kinds = {"all", item.get("kind", "prompt")} if len(items_kinds) > 1 else {"all"}
+        for kind in kinds:
             for m, r in runs.items():
                 a = aggs.setdefault((kind, m), Agg())
                 a.prompts += 1
@@ -199,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 a.forwards += r.forwards
                 a.ms += r.ms
                 a.off_ms += off.ms
+                a.decode_ms += r.ms - r.first_ms
+                a.off_decode_ms += off.ms - off.first_ms
                 a.equal += int(r.ids == off.ids)
         print(
             f"  [{n + 1}/{len(items)}] {item.get('id', n)}: "
@@ -245,7 +274,7 @@ def _build_index(engine, items: list[dict[str, Any]]):
 
 def print_table(aggs: dict[tuple[str, str], Agg], engine, args: argparse.Namespace) -> None:
     head = f"{'workload':<11}{'method':<9}{'prompts':>8}{'tokens':>8}{'forwards':>9}"
-    head += f"{'tok/fwd':>9}{'wall ms':>10}{'vs off':>8}{'= off':>8}"
+    head += f"{'tok/fwd':>9}{'wall ms':>10}{'vs off':>8}{'decode ms':>11}{'vs off':>8}{'= off':>8}"
     print(
         f"codespec bench {args.workload}  ({date.today()}, {platform.machine()}, "
         f"{engine.device.type}, {engine.runner.name} runner, model {engine.model_name})"
@@ -256,9 +285,11 @@ def print_table(aggs: dict[tuple[str, str], Agg], engine, args: argparse.Namespa
     for (kind, m), a in aggs.items():
         tpf = a.tokens / a.forwards if a.forwards else 0.0
         speed = a.off_ms / a.ms if a.ms else 0.0
+        dspeed = a.off_decode_ms / a.decode_ms if a.decode_ms > 0 else 0.0
         print(
             f"{kind:<11}{m:<9}{a.prompts:>8}{a.tokens:>8}{a.forwards:>9}{tpf:>9.2f}"
-            f"{a.ms:>10.0f}{speed:>7.2f}x{a.equal:>5}/{a.prompts:<2}"
+            f"{a.ms:>10.0f}{speed:>7.2f}x{a.decode_ms:>11.0f}{dspeed:>7.2f}x"
+            f"{a.equal:>5}/{a.prompts:<2}"
         )
         rows.append(
             {
@@ -270,6 +301,8 @@ def print_table(aggs: dict[tuple[str, str], Agg], engine, args: argparse.Namespa
                 "tokens_per_forward": round(tpf, 3),
                 "wall_ms": round(a.ms, 1),
                 "speedup_vs_off": round(speed, 3),
+                "decode_ms": round(a.decode_ms, 1),
+                "decode_speedup_vs_off": round(dspeed, 3),
                 "equal_to_off": a.equal,
             }
         )
