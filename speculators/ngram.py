@@ -15,11 +15,12 @@ the best ones): ``ngram:prediction`` (an edit's old region or the client's
 prediction, when the request has one), ``ngram:context``, ``ngram:index``.
 
 Draft length: each path is at most ``min(L, 2 * n)`` tokens for a match of
-length ``n`` (short matches predict little), siblings after the first get half
-of that. ``L`` adapts per request in :meth:`NgramProposer.observe`: it doubles
-(up to ``max_len``) when the deepest drafted path was accepted whole, halves
-(down to ``min_len``) when nothing was accepted, and stays put otherwise (a
-partial accept is a divergence, not a sign that drafts are too long).
+length ``n < max_n`` (short matches predict little) and ``L`` for a full-length
+match; siblings after the first get half of that. ``L`` adapts per request in
+:meth:`NgramProposer.observe`: it doubles (up to ``max_len``) when the deepest
+drafted path was accepted whole, halves (down to ``min_len``) when nothing was
+accepted, and stays put otherwise (a partial accept is a divergence, not a sign
+that drafts are too long).
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ class NgramProposer:
             self._prediction.extend(request.draft_text_ids)
 
     def _depth(self, n: int, rank: int) -> int:
-        depth = min(self.draft_len, 2 * n)
+        # A match of max_n tokens may well be longer than we looked: no cap from n then.
+        depth = self.draft_len if n >= self.max_n else min(self.draft_len, 2 * n)
         return max(1, depth >> (1 if rank else 0))
 
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:

@@ -44,3 +44,20 @@ def test_greedy_with_drafts_equals_plain(engine, cases, mode, k):
         accepted_any += int(prop.steps < len(plain))
     if mode in ("correct", "k_then_wrong", "tree"):
         assert accepted_any > 0, "drafts were never accepted: the test would prove nothing"
+
+
+def test_ngram_proposer_with_index_equals_plain(engine, cases):
+    """The real n-gram proposer, drafting from the context and an index of held-out files."""
+    from codespec.ngram_index import NgramIndex
+    from codespec.speculators.ngram import NgramProposer
+    from conftest import HELDOUT
+
+    index = NgramIndex(engine.tokenizer.backend_tokenizer)
+    for path in sorted(HELDOUT.glob("test_[a-c]*.py"))[:12]:
+        index.open(path.as_uri(), path.read_text(encoding="utf-8", errors="replace"))
+    drafted = 0
+    for n, (prompt, plain) in enumerate(cases):
+        prop = NgramProposer(index)
+        assert decode_ids(engine, prompt, prop, max_draft=16) == plain, f"prompt {n}"
+        drafted += prop.stats.drafted_tokens
+    assert drafted > 0
