@@ -9,6 +9,7 @@ the module that owns the work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -133,10 +134,120 @@ def cmd_train_model(args: argparse.Namespace, rest: list[str]) -> int:
     return train_model.main(rest)
 
 
+def cmd_train_eagle(args: argparse.Namespace, rest: list[str]) -> int:
+    from codespec.daemon import train_eagle
+
+    return train_eagle.main(rest)
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from codespec.daemon.bench import dispatch
 
     return dispatch(rest)
+
+
+def cmd_lsp(args: argparse.Namespace) -> int:
+    from codespec.lsp.server import run
+
+    return run(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from codespec.daemon.config import ConfigError, load_config, validate
+    from codespec.daemon.server import SocketInUse, serve
+
+    try:
+        config = load_config(args.config)
+        for key in ("model", "device", "runner", "socket"):
+            value = getattr(args, key)
+            if value is not None:
+                setattr(config, key, value)
+        validate(config)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        return serve(config)
+    except SocketInUse as exc:
+        raise CliError(f"{exc}; stop it first (codespec status shows it)") from None
+
+
+def _daemon_client(socket_path: str | None):
+    from codespec.daemon.client import Client, DaemonError
+
+    try:
+        return Client(socket_path)
+    except DaemonError as exc:
+        raise CliError(f"{exc.message}; start it with `codespec serve`") from None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from codespec.daemon.client import DaemonError
+
+    with _daemon_client(args.socket) as client:
+        try:
+            s = client.request("stats")
+        except DaemonError as exc:
+            raise CliError(str(exc)) from None
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    req = s["requests"]
+    print(f"model      {s['model']} ({s['runner']} runner, {s['device']})")
+    print(f"uptime     {s['uptime_s']} s, {s['connections']} connection(s)")
+    print(f"documents  {s['documents']} open")
+    idx = s["index"]
+    print(f"index      {idx['documents']} documents, {idx['tokens']} tokens, {idx['bytes']} bytes")
+    print(f"workspace  {s['workspace']['files']} files in {len(s['workspace']['folders'])} folders")
+    print(
+        f"requests   {req['in_flight']} in flight, {req['served']} served, "
+        f"{req['cancelled']} cancelled, {req['failed']} failed"
+    )
+    print(f"tokens/s   {s['tokens_per_s']}")
+    for src, a in s["proposers"].items():
+        print(f"proposer   {src}: {a['accepted']}/{a['drafted']} accepted ({a['acceptance']:.0%})")
+    return 0
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from codespec.daemon.client import DaemonError
+
+    path = Path(args.file).resolve()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {args.file}: {exc}") from None
+    uri = path.as_uri()
+    params = {
+        "uri": uri,
+        "position": {"line": args.line, "character": args.character},
+        "multiline": args.multiline,
+        "stream": args.stream,
+        "speculation": args.speculation,
+    }
+    if args.max_tokens is not None:
+        params["max_tokens"] = args.max_tokens
+
+    def on_delta(frame: dict) -> None:
+        sys.stdout.write(frame.get("text", ""))
+        sys.stdout.flush()
+
+    with _daemon_client(args.socket) as client:
+        try:
+            client.request("open", {"uri": uri, "text": text, "language": "python"})
+            result = client.request("complete", params, on_delta if args.stream else None)
+        except DaemonError as exc:
+            raise CliError(exc.message if exc.code != "bad_params" else str(exc)) from None
+        finally:
+            with contextlib.suppress(DaemonError, OSError):
+                client.request("close", {"uri": uri})
+    if not args.stream:
+        sys.stdout.write(result["text"])
+    sys.stdout.write("\n")
+    if args.json:
+        print(json.dumps(result["stats"]), file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,17 +269,49 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
+    s = sub.add_parser("serve", help="run the daemon on a Unix socket")
+    s.add_argument("--model", default=None, help="local HF model folder or cached name")
+    s.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
+    s.add_argument("--runner", default=None, choices=["auto", "lean", "hf"])
+    s.add_argument("--socket", default=None, help="socket path (default: $CODESPEC_SOCKET, ...)")
+    s.add_argument("--config", default=None, help="config file (default: ~/.config/codespec/...)")
+    s.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("status", help="what a running daemon is doing")
+    st.add_argument("--socket", default=None)
+    st.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+    st.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("complete", help="complete at a position of a file via the daemon")
+    c.add_argument("--file", required=True)
+    c.add_argument("--line", type=int, required=True, help="0-based line")
+    c.add_argument("--character", type=int, required=True, help="0-based UTF-16 column")
+    c.add_argument("--stream", action="store_true", help="print deltas as they arrive")
+    c.add_argument("--multiline", action="store_true")
+    c.add_argument("--max-tokens", type=positive_int, default=None)
+    c.add_argument("--speculation", default="auto")
+    c.add_argument("--socket", default=None)
+    c.add_argument("--json", action="store_true", help="also print the stats as a JSON line")
+    c.set_defaults(func=cmd_complete)
+
     t = sub.add_parser("train-model", help="train the embedded code model", add_help=False)
     t.set_defaults(func=cmd_train_model, passthrough=True)
+    e = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head", add_help=False)
+    e.set_defaults(func=cmd_train_eagle, passthrough=True)
     b = sub.add_parser("bench", help="benchmarks: WORKLOAD.jsonl | runner | index", add_help=False)
     b.set_defaults(func=cmd_bench, passthrough=True)
+    ls = sub.add_parser("lsp", help="language server for editors (LSP over stdio)")
+    ls.add_argument("--socket", default=None, help="daemon socket (default: CODESPEC_SOCKET)")
+    ls.add_argument("--log-file", default=None, help="write the server's log to this file")
+    ls.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    ls.set_defaults(func=cmd_lsp)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    passthrough = {"train-model", "bench"}
+    passthrough = {"train-model", "train-eagle", "bench"}
     if argv and argv[0] in passthrough:
         args, rest = parser.parse_known_args(argv[:1])
         rest = argv[1:]

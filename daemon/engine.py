@@ -226,7 +226,8 @@ class Engine:
 
     # -- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of ``text`` (no special tokens added; callers cut prompts to fit)."""
+        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

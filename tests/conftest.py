@@ -66,3 +66,71 @@ def tiny_llama(vocab: int = 96, layers: int = 2, seed: int = 0, **kw):
         **kw,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+class ServerThread:
+    """A real daemon (``make_server``) on its own event loop in a background thread."""
+
+    def __init__(self, config, engine) -> None:
+        import asyncio
+        import threading
+
+        from codespec.daemon.server import make_server
+
+        self.loop = asyncio.new_event_loop()
+        self.server = make_server(config, engine)
+        self.socket_path = self.server.socket_path
+        started = threading.Event()
+        self.error: BaseException | None = None
+
+        async def main() -> None:
+            try:
+                await self.server.start()
+            except BaseException as exc:
+                self.error = exc
+                started.set()
+                return
+            started.set()
+            await self.server.serve_forever()
+
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(main(),), daemon=True
+        )
+        self.thread.start()
+        started.wait(60)
+        if self.error is not None:
+            raise self.error
+
+    def call(self, fn):
+        """Run ``fn()`` on the server's loop and return its result."""
+        import asyncio
+
+        async def run():
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+    def stop(self) -> None:
+        import asyncio
+
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
+            self.thread.join(10)
+
+
+def daemon_config(tmp_path, **limits):
+    from codespec.daemon.config import Config
+
+    config = Config(socket=str(tmp_path / "d.sock"), state_dir="")
+    config.workspace.debounce_s = 0.05
+    for key, value in limits.items():
+        setattr(config.limits, key, value)
+    return config
+
+
+@pytest.fixture(scope="module")
+def daemon(engine, tmp_path_factory):
+    """One in-process daemon per test module, sharing the session's engine."""
+    srv = ServerThread(daemon_config(tmp_path_factory.mktemp("daemon")), engine)
+    yield srv
+    srv.stop()

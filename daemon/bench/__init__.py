@@ -3,7 +3,8 @@
 ``codespec bench WORKLOAD.jsonl --methods off,ngram,hf,hf-pld`` runs the
 decoding methods side by side on a workload; ``codespec bench runner`` times
 the model runners; ``codespec bench index`` times the n-gram index;
-``codespec bench make-workloads`` builds the standard workloads from real code.
+``codespec bench make-workloads`` builds the standard workloads from real code;
+``codespec bench latency`` times ``complete`` over the daemon's socket.
 Each prints a table and ends with one JSON line.
 """
 
@@ -15,6 +16,8 @@ SUBCOMMANDS = {
     "runner": "codespec.daemon.bench.runner",
     "index": "codespec.daemon.bench.index",
     "make-workloads": "codespec.daemon.bench.workloads",
+    "latency": "codespec.daemon.bench.latency",
+    "eagle": "codespec.daemon.bench.eagle",
 }
 
 

@@ -1,0 +1,114 @@
+"""`codespec serve` as a real process: stale socket replaced, a second serve refused,
+SIGTERM removes the socket and saves the index; `status` and `complete` talk to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from codespec.daemon.client import Client
+
+
+def env_for(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        XDG_CACHE_HOME=str(tmp / "cache"),
+        XDG_CONFIG_HOME=str(tmp / "config"),
+        CODESPEC_SOCKET=str(tmp / "run" / "d.sock"),
+    )
+    return env
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "codespec.daemon.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def wait_for_daemon(path: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            Client(path, timeout=1).close()
+            return
+        except Exception:
+            time.sleep(0.1)
+    raise AssertionError("the daemon did not come up")
+
+
+def test_serve_lifecycle(tmp_path):
+    env = env_for(tmp_path)
+    sock_path = env["CODESPEC_SOCKET"]
+    # A stale socket file: bound, never unlinked, nobody listening.
+    os.makedirs(os.path.dirname(sock_path), mode=0o700)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(sock_path)
+    stale.close()
+    assert os.path.exists(sock_path)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "codespec.daemon.cli", "serve", "--device", "cpu"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_daemon(sock_path, proc)
+        assert os.stat(sock_path).st_mode & 0o777 == 0o600
+        assert os.stat(os.path.dirname(sock_path)).st_mode & 0o777 == 0o700
+
+        second = cli(env, "serve", "--device", "cpu", timeout=60)
+        assert second.returncode == 1
+        assert second.stderr.count("\n") == 1 and "already serving" in second.stderr
+
+        src = tmp_path / "mod.py"
+        src.write_text("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return \n")
+        done = cli(env, "complete", "--file", str(src), "--line", "5", "--character", "11",
+                   "--max-tokens", "3", "--json")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stderr.strip().splitlines()[-1])["tokens"] <= 3
+        with Client(sock_path) as c:  # keep one document indexed for the save
+            c.request("open", {"uri": "file:///kept.py", "text": "x = 1\n"})
+            status = cli(env, "status", "--json", timeout=60)
+            assert status.returncode == 0, status.stderr
+            s = json.loads(status.stdout)
+            assert s["model"] == "embedded" and s["documents"] == 1
+            assert s["requests"]["served"] >= 1
+
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+        assert not os.path.exists(sock_path)
+        index = tmp_path / "cache" / "codespec" / "index.msgpack"
+        assert index.exists() and index.stat().st_size > 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_client_commands_without_daemon(tmp_path):
+    env = env_for(tmp_path)
+    r = cli(env, "status", timeout=60)
+    assert r.returncode == 1 and "codespec serve" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_config_is_one_line(tmp_path):
+    env = env_for(tmp_path)
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[limits]\nmax_queue = 'many'\n")
+    r = cli(env, "serve", "--config", str(cfg), timeout=60)
+    assert r.returncode == 1
+    assert "limits.max_queue" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -1,0 +1,191 @@
+"""The scheduler: cancellation within one step, fair preemption, back-off under load,
+the typing simulation and disconnects, all on the real embedded engine."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from codespec.daemon.client import AsyncClient, Client, DaemonError
+from codespec.daemon.config import Speculation
+from codespec.daemon.engine import GenParams
+from codespec.daemon.protocol import pack
+from codespec.daemon.scheduler import Job, Scheduler, TextTracker, speculation_policy
+
+PROMPT = "import os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"
+
+
+@pytest.fixture
+def scheduler(engine):
+    s = Scheduler(engine, None, Speculation(quantum_steps=2), max_queue=8)
+    s.start()
+    yield s
+    s.stop()
+
+
+def wait_idle(s: Scheduler, timeout: float = 10.0) -> float:
+    t0 = time.monotonic()
+    while not s.idle:
+        assert time.monotonic() - t0 < timeout, "the scheduler did not go idle"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_cancel_stops_within_one_decode_step(engine, scheduler):
+    """Cancelling while delta k is handled: exactly one more target forward, then stop."""
+    ids = engine.encode(PROMPT)
+    seen: list[str] = []
+    job = Job(ids, GenParams(max_tokens=200), "off")
+
+    def on_delta(text: str) -> None:
+        seen.append(text)
+        if len(seen) == 3:
+            job.cancel.set()
+
+    job.on_delta = on_delta
+    fut = scheduler.submit(job)
+    with pytest.raises(Exception) as err:
+        fut.result(30)
+    assert getattr(err.value, "code", "") == "cancelled"
+    wait_idle(scheduler)
+    # Deltas 1..3 came from the prefill and 2 decode steps; the cancel costs one more.
+    assert job.totals["decode_steps"] <= len(seen) - 1 + 1
+    assert len(job.out_ids) < 200
+
+
+def test_preempted_request_equals_uninterrupted_greedy(engine, scheduler):
+    """A long request preempted every 2 steps by a short one gives plain greedy's output,
+    and the short one, submitted later, finishes first (round-robin)."""
+    long_ids = engine.encode(PROMPT)
+    short_ids = engine.encode("class Stack:\n    def push(self, x):\n")
+    engine.reset_cache()
+    ref, _ = engine.generate(long_ids, GenParams(max_tokens=24))
+    ref_short, _ = engine.generate(short_ids, GenParams(max_tokens=4))
+    order: list[str] = []
+    a = Job(long_ids, GenParams(max_tokens=24), "off")
+    b = Job(short_ids, GenParams(max_tokens=4), "off")
+    fa = scheduler.submit(a)
+    fb = scheduler.submit(b)
+    fa.add_done_callback(lambda _: order.append("long"))
+    fb.add_done_callback(lambda _: order.append("short"))
+    ra, rb = fa.result(60), fb.result(60)
+    assert order == ["short", "long"]
+    assert a.turns >= 2
+    assert ra.text == ref and rb.text == ref_short
+    assert ra.stats["tokens"] == 24
+
+
+def test_speculation_backs_off_then_switches_off():
+    cfg = SimpleNamespace(shorten_at=2, off_at=4)
+    assert speculation_policy("auto", 16, 1, cfg) == ("auto", 16)
+    assert speculation_policy("auto", 16, 2, cfg) == ("auto", 8)
+    assert speculation_policy("auto", 16, 3, cfg) == ("auto", 4)
+    assert speculation_policy("auto", 16, 4, cfg) == ("off", 0)
+    assert speculation_policy("off", 16, 1, cfg) == ("off", 0)
+
+
+def test_busy_daemon_decodes_plainly(engine):
+    s = Scheduler(engine, None, Speculation(shorten_at=2, off_at=3, quantum_steps=1), 16)
+    s.start()
+    try:
+        ids = engine.encode(PROMPT)
+        jobs = [Job(ids, GenParams(max_tokens=6), "auto") for _ in range(4)]
+        results = [s.submit(j) for j in jobs]
+        stats = [f.result(60).stats for f in results]
+        assert stats[0]["speculation"] == "off (busy)"  # 4 active at its first turn
+        assert all(st["tokens"] == 6 for st in stats)
+    finally:
+        s.stop()
+
+
+def test_text_tracker_holds_back_stop_prefixes():
+    t = TextTracker(lambda ids: "".join(chr(i) for i in ids), ["END"])
+    assert t.update([ord("a"), ord("E")], final=False) == ("a", False)
+    assert t.update([ord(c) for c in "aEN"], final=False) == ("", False)
+    assert t.update([ord(c) for c in "aENx"], final=False) == ("ENx", False)
+    assert t.update([ord(c) for c in "aENxEND!"], final=False) == ("", True)
+    assert t.text == "aENx"
+
+
+def test_typing_simulation_each_complete_cancelled_by_the_next(daemon):
+    """300 keystrokes: change + complete, each complete cancelled by the next one.
+    The last is answered, the others are cancelled, nothing is left running."""
+    line = "    total = x + y * 2 "
+
+    async def run() -> tuple[dict, int, int]:
+        c = await AsyncClient.connect(daemon.socket_path)
+        uri = "file:///typing.py"
+        text = "def f(x, y):\n" + "\n" * 3
+        await c.request("open", {"uri": uri, "text": text, "version": 0})
+        prev = None
+        pendings = []
+        col = 0
+        for i in range(300):
+            ch = line[i % len(line)]
+            if i and i % len(line) == 0:
+                ch, col = "\n", -1
+            pos = {"line": 1 + i // len(line), "character": max(col, 0)}
+            change = {"range": {"start": pos, "end": pos}, "text": ch}
+            await c.request("change", {"uri": uri, "version": i + 1, "changes": [change]})
+            col += 1
+            if prev is not None:
+                await prev.cancel()
+            cur_line = 1 + (i + 1) // len(line)
+            prev = c.start(
+                "complete",
+                {"uri": uri, "position": {"line": cur_line, "character": col}, "max_tokens": 4},
+            )
+            pendings.append(prev)
+        last = await prev.result()
+        cancelled = answered = 0
+        for p in pendings[:-1]:
+            try:
+                await p.result()
+                answered += 1
+            except DaemonError as exc:
+                assert exc.code == "cancelled"
+                cancelled += 1
+        await c.close()
+        return last, cancelled, answered
+
+    last, cancelled, answered = asyncio.run(asyncio.wait_for(run(), 60))
+    assert isinstance(last["text"], str) and last["stats"]["tokens"] <= 4
+    assert cancelled + answered == 299 and cancelled > 0
+    wait_idle(daemon.server.scheduler)
+    t0 = time.monotonic()  # the daemon notices the client's close on its own loop
+    while daemon.call(lambda: any(conn.inflight for conn in daemon.server._connections)):
+        assert time.monotonic() - t0 < 5, "a request task outlived its connection"
+        time.sleep(0.01)
+
+
+def test_disconnect_cancels_the_request(daemon):
+    s = daemon.server.scheduler
+    before = s.cancelled
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(daemon.socket_path)
+    params = {"prompt": PROMPT, "max_tokens": 1000, "stream": True}
+    sock.sendall(pack({"id": 1, "method": "generate", "params": params}))
+    sock.recv(4)  # the first delta is on its way: the request runs
+    sock.close()
+    took = wait_idle(s)
+    assert s.cancelled == before + 1
+    assert took < 2.0
+
+
+def test_cancel_over_the_socket(daemon):
+    with Client(daemon.socket_path) as c:
+        got = threading.Event()
+        rid = c.send("generate", {"prompt": PROMPT, "max_tokens": 1000, "stream": True})
+        frame = c.read_frame()
+        assert frame["id"] == rid and frame["event"] == "delta"
+        got.set()
+        assert c.request("cancel", {"id": rid})["cancelled"] is True
+        with pytest.raises(DaemonError) as err:
+            c.wait(rid)
+        assert err.value.code == "cancelled"
+    wait_idle(daemon.server.scheduler, timeout=2.0)

@@ -1,0 +1,223 @@
+"""Config, document store, edit diffs, the workspace watcher, and the chat-template edit path."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import threading
+import time
+
+import pytest
+
+from codespec.daemon import completion
+from codespec.daemon.client import Client
+from codespec.daemon.config import ConfigError, load_config
+from codespec.daemon.documents import DocumentStore
+from codespec.daemon.engine import EMBEDDED_MODEL
+from codespec.daemon.protocol import ProtocolError
+from codespec.daemon.workspace import IgnoreRules, Workspace
+from codespec.ngram_index.positions import TextDocument, apply_changes
+from conftest import ServerThread, daemon_config, tiny_llama
+
+
+def test_config_file_and_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert load_config().limits.max_queue == 32  # no file: defaults
+    (tmp_path / "codespec").mkdir()
+    cfg = tmp_path / "codespec" / "config.toml"
+    cfg.write_text('device = "cpu"\n[speculation]\ndefault = "off"\nmax_draft = 4\n')
+    c = load_config()
+    assert c.device == "cpu" and c.speculation.default == "off" and c.speculation.max_draft == 4
+    for text, fragment in [
+        ("device = 'tpu'\n", "device must be one of"),
+        ("[limits]\nmax_queue = 0\n", "limits.max_queue must be at least 1"),
+        ("colour = 1\n", "unknown key 'colour'"),
+        ("[speculation]\ndefault = 'magic'\n", "speculation.default"),
+        ("limits = 3\n", "[limits] must be a table"),
+        ("model = \n", "not valid TOML"),
+    ]:
+        cfg.write_text(text)
+        with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+            load_config()
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_document_store_versions_and_index_feed():
+    fed: list[tuple[str, str]] = []
+    store = DocumentStore(max_documents=2, on_index=lambda op, uri, _: fed.append((op, uri)))
+    store.open("a", "x\ny\n", version=1)
+    change = {"range": {"start": {"line": 1, "character": 0},
+                        "end": {"line": 1, "character": 1}}, "text": "Z"}  # fmt: skip
+    store.change("a", 2, [change])
+    assert store.get("a").text == "x\nZ\n"
+    for version in (2, 1):
+        with pytest.raises(ProtocolError) as err:
+            store.change("a", version, [change])
+        assert err.value.code == "stale_version"
+    with pytest.raises(ProtocolError) as err:
+        store.get("a", version=1)
+    assert err.value.code == "stale_version"
+    store.open("b", "")
+    with pytest.raises(ProtocolError) as err:
+        store.open("c", "")
+    assert err.value.code == "overloaded"
+    store.close("a")
+    assert fed == [("open", "a"), ("change", "a"), ("open", "b"), ("close", "a")]
+
+
+def test_text_edits_turn_old_into_new_randomly():
+    rng = random.Random(3)
+    words = ["a", "bc", "\n", "  ", "def", "\r\n", "é", "😀", "x = 1\n"]
+    for _ in range(300):
+        before = "".join(rng.choice(words) for _ in range(rng.randrange(0, 6)))
+        old = "".join(rng.choice(words) for _ in range(rng.randrange(0, 12)))
+        after = "".join(rng.choice(words) for _ in range(rng.randrange(0, 6)))
+        new = list(old)
+        for _ in range(rng.randrange(0, 4)):
+            at = rng.randrange(len(new) + 1)
+            new[at:at + rng.randrange(3)] = rng.choice(words)  # fmt: skip
+        new = "".join(new)
+        text = before + old + after
+        from codespec.daemon.documents import Document
+
+        doc = Document("u", TextDocument(text))
+        edits = completion.text_edits(doc, len(before), old, new)
+        changes = [{"range": e["range"], "text": e["newText"]} for e in reversed(edits)]
+        assert apply_changes(text, changes) == before + new + after
+        if old == new:
+            assert edits == []
+
+
+def test_gitignore_rules(tmp_path):
+    (tmp_path / ".gitignore").write_text("*.log\nbuild/\n/top.py\n!keep.log\n# c\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / ".gitignore").write_text("local_*.py\n")
+    rules = IgnoreRules(tmp_path)
+    assert rules.ignored(tmp_path / "x.log", False)
+    assert not rules.ignored(tmp_path / "keep.log", False)
+    assert rules.ignored(tmp_path / "build" / "a.py", False)
+    assert rules.ignored(tmp_path / "top.py", False)
+    assert not rules.ignored(tmp_path / "sub" / "top.py", False)
+    assert rules.ignored(tmp_path / "sub" / "local_x.py", False)
+    assert not rules.ignored(tmp_path / "local_x.py", False)
+    assert rules.ignored(tmp_path / ".git" / "config", False)
+
+
+def test_workspace_indexes_filters_and_debounces(tmp_path):
+    root = tmp_path / "proj"
+    (root / "ignored").mkdir(parents=True)
+    (root / ".gitignore").write_text("ignored/\n*.log\n")
+    (root / "a.py").write_text("def a():\n    return 1\n")
+    (root / "ignored" / "b.py").write_text("x = 1\n")
+    (root / "c.log").write_text("log\n")
+    (root / "bin.dat").write_bytes(b"\x00\x01\x02")
+    (root / "big.py").write_text("x = 1\n" * 1000)
+    calls: list[tuple[str, bool]] = []
+    lock = threading.Lock()
+
+    def index_file(uri: str, text: str | None) -> None:
+        with lock:
+            calls.append((uri.rsplit("/", 1)[-1], text is not None))
+
+    ws = Workspace(index_file, lambda uri: False, max_file_bytes=1000, debounce_s=0.1)
+    try:
+        assert ws.add(str(root)) == 2  # .gitignore and a.py
+        assert sorted(calls) == [(".gitignore", True), ("a.py", True)]
+        calls.clear()
+        target = root / "d.py"
+        flushes = ws.flushes
+        for i in range(20):  # a burst of events for one path
+            target.write_text(f"y = {i}\n")
+            ws.touch(target)
+        with ws.flushed:
+            assert ws.flushed.wait_for(lambda: ("d.py", True) in calls, timeout=10)
+        time.sleep(0.3)  # any straggling watchdog events flush too
+        assert calls.count(("d.py", True)) <= 2 and ws.flushes - flushes <= 3
+        target.unlink()
+        with ws.flushed:
+            assert ws.flushed.wait_for(lambda: ("d.py", False) in calls, timeout=10)
+    finally:
+        ws.close()
+
+
+def test_workspace_method_feeds_the_index(daemon, tmp_path):
+    (tmp_path / "w.py").write_text("def work():\n    return 42\n")
+    (tmp_path / "skip.log").write_text("x\n")
+    (tmp_path / ".gitignore").write_text("*.log\n")
+    with Client(daemon.socket_path) as c:
+        r = c.request("workspace", {"folders": [tmp_path.as_uri()]})
+        assert r["indexed"] == 2 and str(tmp_path.resolve()) in r["folders"]
+    index = daemon.server.index
+    uri = (tmp_path / "w.py").resolve().as_uri()
+    assert uri in index and index.kind(uri) == "workspace"
+    assert (tmp_path / "skip.log").resolve().as_uri() not in index
+
+
+@pytest.fixture(scope="module")
+def chat_engine(tmp_path_factory):
+    """A tiny random Llama with the embedded tokenizer and a chat template."""
+    from codespec.daemon.engine import Engine
+
+    folder = tmp_path_factory.mktemp("chat_model")
+    tiny_llama(vocab=8192, layers=2, max_position_embeddings=1024).save_pretrained(folder)
+    shutil.copy(EMBEDDED_MODEL / "tokenizer.json", folder)
+    cfg = json.loads((EMBEDDED_MODEL / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}### assistant\n{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return Engine(str(folder), device="cpu")
+
+
+def test_edit_uses_the_chat_template(chat_engine, tmp_path):
+    text = "def f(x):\n    return x + 1\n\n\ndef g():\n    pass\n"
+    ep = completion.edit_prompt(
+        chat_engine, text, 10, 27, text[10:27], "add a docstring", "python", 32
+    )
+    assert ep.mode == "chat" and ep.draft_ids == chat_engine.encode(text[10:27])
+    prompt = chat_engine.decode(ep.prompt_ids)
+    assert "### system" in prompt and "add a docstring" in prompt
+    assert prompt.endswith("### assistant\n") and "<region>\n    return x + 1\n</region>" in prompt
+    srv = ServerThread(daemon_config(tmp_path), chat_engine)
+    try:
+        with Client(srv.socket_path) as c:
+            assert c.request("hello")["capabilities"]["edit"] == "chat"
+            c.request("open", {"uri": "file:///c.py", "text": text, "version": 1})
+            rng = {"start": {"line": 1, "character": 0}, "end": {"line": 2, "character": 0}}
+            r = c.request("edit", {"uri": "file:///c.py", "range": rng, "version": 1,
+                                   "instruction": "add a docstring", "max_tokens": 6})  # fmt: skip
+            assert r["mode"] == "chat" and r["stats"]["tokens"] <= 6
+            changes = [{"range": e["range"], "text": e["newText"]} for e in reversed(r["edits"])]
+            lines = text.splitlines(keepends=True)
+            assert apply_changes(text, changes) == lines[0] + r["text"] + "".join(lines[2:])
+    finally:
+        srv.stop()
+
+
+def test_fim_edit_prompt_carries_the_old_region_before_the_middle(engine):
+    text = "import os\n\n\ndef f(x):\n    return x + 1\n\n\ndef g():\n    pass\n"
+    start, end = text.index("def f"), text.index("\n\n\ndef g") + 1
+    ep = completion.edit_prompt(engine, text, start, end, text[start:end], "", "python", 32)
+    assert ep.mode == "fim" and ep.draft_ids == engine.encode(text[start:end])
+    fim = engine.fim
+    ids = ep.prompt_ids
+    assert ids[0] == fim.prefix and ids[-1] == fim.middle
+    prefix = engine.decode(ids[1 : ids.index(fim.suffix)])
+    assert prefix == text[:end] + ""  # before + the old region (ending in a line break)
+    suffix = engine.decode(ids[ids.index(fim.suffix) + 1 : -1])
+    assert suffix == text[end:]
+
+
+def test_complete_prompt_start_is_stable_while_typing(engine):
+    text = "".join(f"value_{i} = compute({i}, 'abc')\n" for i in range(400))  # > 2048 tokens
+    starts = set()
+    offset = len(text) // 2
+    for k in range(20):  # typing 20 characters at the same spot
+        typed = text[:offset] + "x" * k + text[offset:]
+        ids = completion.complete_prompt(engine, typed, offset + k, 16)
+        assert len(ids) <= engine.max_length - 16 - 1
+        starts.add(tuple(ids[:50]))
+    assert len(starts) <= 2  # the window start moves at most once in 20 keystrokes

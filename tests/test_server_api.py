@@ -1,0 +1,220 @@
+"""The socket API over a real in-process daemon: every method's shape and the error codes."""
+
+from __future__ import annotations
+
+import pytest
+
+from codespec.daemon.client import Client, DaemonError
+from codespec.daemon.protocol import ERROR_CODES
+from codespec.ngram_index.positions import apply_changes
+from conftest import daemon_config
+
+SOURCE = "".join(
+    f"def f{i}(x, y):\n    total = x + y * {i}\n    return total\n\n" for i in range(80)
+)  # 320 lines
+
+
+@pytest.fixture
+def client(daemon):
+    with Client(daemon.socket_path) as c:
+        yield c
+
+
+def code_of(call) -> str:
+    with pytest.raises(DaemonError) as err:
+        call()
+    assert err.value.code in ERROR_CODES
+    return err.value.code
+
+
+def test_hello_shape(client):
+    r = client.request("hello", {"client": "test", "protocol": 1})
+    assert r["protocol"] == 1 and r["server"].startswith("codespec")
+    assert r["model"] == "embedded" and r["device"] == "cpu"
+    caps = r["capabilities"]
+    assert {"complete", "edit", "generate", "cancel", "workspace"} <= set(caps["methods"])
+    assert caps["max_frame_bytes"] == 8 * 1024 * 1024
+    assert set(caps["error_codes"]) == set(ERROR_CODES)
+
+
+def test_open_change_close_shapes(client):
+    uri = "file:///shapes.py"
+    assert client.request("open", {"uri": uri, "text": "a = 1\n", "version": 1}) == {
+        "uri": uri,
+        "version": 1,
+        "lines": 2,
+    }
+    change = {
+        "range": {"start": {"line": 0, "character": 4}, "end": {"line": 0, "character": 5}},
+        "text": "2",
+    }
+    r = client.request("change", {"uri": uri, "version": 2, "changes": [change]})
+    assert r == {"uri": uri, "version": 2}
+    assert client.request("close", {"uri": uri}) == {"uri": uri, "closed": True}
+    assert code_of(lambda: client.request("close", {"uri": uri})) == "unknown_document"
+
+
+def test_complete_single_line_shape_and_stream(client):
+    uri = "file:///complete.py"
+    client.request("open", {"uri": uri, "text": SOURCE, "version": 1, "language": "python"})
+    deltas: list[dict] = []
+    r = client.request(
+        "complete",
+        {"uri": uri, "position": {"line": 41, "character": 4}, "stream": True, "max_tokens": 8},
+        deltas.append,
+    )
+    assert set(r) == {"text", "finish_reason", "stats"}
+    assert "\n" not in r["text"]  # single-line: stops at the first line break
+    assert r["stats"]["tokens"] <= 8
+    assert r["finish_reason"] in ("stop", "length")
+    assert all(d["event"] == "delta" and isinstance(d["text"], str) for d in deltas)
+    assert r["text"].startswith("".join(d["text"] for d in deltas).split("\n")[0])
+    assert r["stats"]["prompt_tokens"] <= 2048 - 8 - 1  # the FIM budget
+    # The same request again reuses the cached prompt.
+    r2 = client.request("complete", {"uri": uri, "position": {"line": 41, "character": 4}})
+    assert r2["stats"]["cached_tokens"] >= r2["stats"]["prompt_tokens"] - 1
+
+
+def test_complete_multiline_and_speculation_off(client):
+    uri = "file:///multi.py"
+    client.request("open", {"uri": uri, "text": SOURCE})
+    r = client.request(
+        "complete",
+        {
+            "uri": uri,
+            "position": {"line": 2, "character": 16},
+            "multiline": True,
+            "max_tokens": 12,
+            "speculation": "off",
+        },
+    )
+    assert r["stats"]["tokens"] <= 12
+    assert r["stats"]["drafted"] == {}
+    assert r["stats"]["target_forwards"] == r["stats"]["tokens"] or r["finish_reason"] == "stop"
+
+
+def test_generate_shape(client):
+    r = client.request("generate", {"prompt": "def add(a, b):\n", "max_tokens": 5})
+    assert set(r) == {"text", "finish_reason", "stats"} and r["stats"]["tokens"] <= 5
+    r = client.request("generate", {"prompt_ids": [10, 11, 12], "max_tokens": 3, "stop": ["x"]})
+    assert r["stats"]["tokens"] <= 3
+
+
+def test_stats_shape(client):
+    s = client.request("stats")
+    for key in ("model", "device", "documents", "index", "requests", "proposers", "tokens_per_s"):
+        assert key in s
+    assert {"in_flight", "served", "cancelled"} <= set(s["requests"])
+
+
+def test_cancel_unknown_id(client):
+    assert client.request("cancel", {"id": 987654}) == {"id": 987654, "cancelled": False}
+
+
+@pytest.mark.parametrize(
+    "method,params,code",
+    [
+        ("nope", {}, "unknown_method"),
+        ("open", {"uri": 5, "text": ""}, "bad_params"),
+        ("open", {"uri": "file:///a"}, "bad_params"),
+        ("change", {"uri": "file:///missing", "version": 3, "changes": []}, "unknown_document"),
+        ("complete", {"uri": "file:///missing", "position": {"line": 0, "character": 0}}, None),
+        ("complete", {"uri": "file:///e.py", "position": {"line": -1, "character": 0}}, None),
+        ("complete", {"uri": "file:///e.py", "position": {"line": 99, "character": 0}}, None),
+        ("complete", {"uri": "file:///e.py", "position": [0, 0]}, "bad_params"),
+        ("complete", {"uri": "file:///e.py", "position": {"line": 0, "character": 0},
+                      "max_tokens": 0}, "bad_params"),
+        ("complete", {"uri": "file:///e.py", "position": {"line": 0, "character": 0},
+                      "speculation": "magic"}, "bad_params"),
+        ("complete", {"uri": "file:///e.py", "position": {"line": 0, "character": 0},
+                      "temperature": float("nan")}, "bad_params"),
+        ("generate", {"prompt": ""}, "bad_params"),
+        ("generate", {"prompt_ids": [1, 2, 10**9]}, "bad_params"),
+        ("generate", {"prompt": "x", "max_tokens": 10**9}, "bad_params"),
+        ("edit", {"uri": "file:///e.py", "range": {"start": {"line": 1, "character": 0},
+                                                   "end": {"line": 0, "character": 0}}},
+         "bad_params"),
+        ("cancel", {"id": "x"}, "bad_params"),
+        ("workspace", {"folders": ["/definitely/not/here"]}, "bad_params"),
+    ],
+)  # fmt: skip
+def test_error_codes(client, method, params, code):
+    client.request("open", {"uri": "file:///e.py", "text": "x = 1\n", "version": 1})
+    got = code_of(lambda: client.request(method, params))
+    if code is None:
+        assert got in ("unknown_document", "bad_params")
+        if params["uri"] == "file:///missing":
+            assert got == "unknown_document"
+        else:
+            assert got == "bad_params"
+    else:
+        assert got == code
+
+
+def test_stale_version_is_refused_and_reopen_recovers(client):
+    uri = "file:///stale.py"
+    client.request("open", {"uri": uri, "text": "a\nb\n", "version": 5})
+    ins = {
+        "range": {"start": {"line": 0, "character": 1}, "end": {"line": 0, "character": 1}},
+        "text": "X",
+    }
+    assert code_of(
+        lambda: client.request("change", {"uri": uri, "version": 5, "changes": [ins]})
+    ) == ("stale_version")
+    # A bad range in the middle applies nothing either.
+    bad = {"range": {"start": {"line": 9, "character": 0}, "end": {"line": 9, "character": 0}},
+           "text": "Y"}  # fmt: skip
+    assert code_of(
+        lambda: client.request("change", {"uri": uri, "version": 6, "changes": [ins, bad]})
+    ) == ("bad_params")
+    rng = {"start": {"line": 0, "character": 0}, "end": {"line": 1, "character": 0}}
+    assert (
+        code_of(lambda: client.request("edit", {"uri": uri, "range": rng, "version": 4}))
+        == "stale_version"
+    )
+    client.request("open", {"uri": uri, "text": "a\nb\n", "version": 9})  # re-open
+    client.request("change", {"uri": uri, "version": 10, "changes": [ins]})
+    r = client.request("edit", {"uri": uri, "range": rng, "version": 10, "max_tokens": 3})
+    assert r["version"] == 10
+
+
+def test_edit_returns_text_edits_that_turn_old_into_new(client):
+    uri = "file:///edit.py"
+    client.request("open", {"uri": uri, "text": SOURCE, "version": 1})
+    rng = {"start": {"line": 8, "character": 0}, "end": {"line": 12, "character": 0}}
+    deltas: list[dict] = []
+    r = client.request(
+        "edit",
+        {"uri": uri, "range": rng, "max_tokens": 24, "stream": True, "instruction": "rename"},
+        deltas.append,
+    )
+    assert r["range"] == rng and r["mode"] == "fim"
+    assert "".join(d["text"] for d in deltas) == r["text"]
+    lines = SOURCE.splitlines(keepends=True)
+    expected = "".join(lines[:8]) + r["text"] + "".join(lines[12:])
+    changes = [{"range": e["range"], "text": e["newText"]} for e in reversed(r["edits"])]
+    assert apply_changes(SOURCE, changes) == expected
+    # With the prediction equal to the old text, an unchanged result needs no edits.
+    same = client.request(
+        "edit", {"uri": uri, "range": rng, "max_tokens": 2, "prediction": "def g():\n"}
+    )
+    assert same["range"] == rng
+
+
+def test_overloaded_past_the_queue_limit(engine, tmp_path):
+    from conftest import ServerThread
+
+    srv = ServerThread(daemon_config(tmp_path, max_queue=2), engine)
+    try:
+        with Client(srv.socket_path) as c:
+            ids = [
+                c.send("generate", {"prompt": "def f():\n", "max_tokens": 200}) for _ in range(4)
+            ]
+            codes = []
+            for rid in ids[2:]:
+                codes.append(code_of(lambda rid=rid: c.wait(rid)))
+            assert codes == ["overloaded", "overloaded"]
+            for rid in ids[:2]:
+                c.request("cancel", {"id": rid})
+    finally:
+        srv.stop()
