@@ -202,6 +202,7 @@ class Engine:
         device: str = "auto",
         runner: str = "auto",
         max_length: int | None = None,
+        max_slots: int = 4,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -222,6 +223,10 @@ class Engine:
         self._taps: tuple[int, ...] = ()
         self._tap_buf: torch.Tensor | None = None  # (max_length, len(taps), H)
         self._tap_valid = 0  # positions [0, _tap_valid) of the buffer are filled
+        # Idle cache slots (the active one lives in the runner and the fields above).
+        self.max_slots = max(1, int(max_slots))
+        self._idle: list[_Slot] = []
+        self._clock = 0
         self.lock = threading.Lock()
 
     # -- text <-> ids ------------------------------------------------------------------
@@ -238,10 +243,67 @@ class Engine:
 
     # -- decoding ----------------------------------------------------------------------
     def reset_cache(self) -> None:
-        """Forget every cached prefix (benchmarks start each run cold)."""
+        """Forget every cached prefix, in every slot (benchmarks start each run cold)."""
         self.runner.reset()
         self.cached_ids = []
         self._tap_valid = 0
+        self._idle.clear()
+
+    def _pick_slot(self, prompt: list[int]) -> None:
+        """Make the cache slot sharing the longest prefix with ``prompt`` the active one.
+
+        A slot fits when reusing it would drop at most half of what it holds (or it
+        shares 256 tokens or more). When no slot fits, the prompt gets a fresh slot
+        while there is room, else the least recently used idle one, so the active
+        document's cache survives a request on another document.
+        """
+        self._clock += 1
+
+        def shared(ids: list[int]) -> int:
+            n = 0
+            for a, b in zip(ids, prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        def fits(ids: list[int], n: int) -> bool:  # reusing it loses at most half of it
+            return n >= min(256, len(ids) // 2)
+
+        active = shared(self.cached_ids)
+        best, best_n = None, -1
+        for slot in self._idle:
+            n = shared(slot.cached_ids)
+            if fits(slot.cached_ids, n) and n > best_n:
+                best, best_n = slot, n
+        if best is not None and best_n > active:
+            self._swap(best)
+        elif not fits(self.cached_ids, active):
+            if 1 + len(self._idle) < self.max_slots:
+                self._swap(_Slot(self.runner.new_cache_state(), [], (), None, 0, 0))
+            elif self._idle:
+                lru = min(self._idle, key=lambda sl: sl.used)
+                self._swap(lru)
+                self.runner.reset()
+                self.cached_ids = []
+                self._tap_valid = 0
+
+    def _swap(self, slot: _Slot) -> None:
+        """Park the active cache in an idle slot and activate ``slot``."""
+        if slot in self._idle:
+            self._idle.remove(slot)
+        parked = _Slot(
+            self.runner.cache_state(),
+            self.cached_ids,
+            self._taps,
+            self._tap_buf,
+            self._tap_valid,
+            self._clock,
+        )
+        self._idle.append(parked)
+        self.runner.set_cache_state(slot.state)
+        self.cached_ids = slot.cached_ids
+        self._taps, self._tap_buf, self._tap_valid = slot.taps, slot.tap_buf, slot.tap_valid
 
     def _prefill(self, prompt: list[int], taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, int]:
         """Feed the prompt after its longest cached prefix.
@@ -250,6 +312,8 @@ class Engine:
         ``taps``, the tapped hidden states of every prompt position end up in
         :meth:`prompt_hidden` (reused positions included).
         """
+        if self.max_slots > 1:
+            self._pick_slot(prompt)
         common = 0
         limit = min(len(self.cached_ids), len(prompt) - 1)
         if taps:
@@ -425,6 +489,18 @@ class Engine:
             text.append(delta.text)
             stats = delta.stats
         return "".join(text), stats
+
+
+@dataclass(eq=False)
+class _Slot:
+    """An idle KV cache and the token ids (and taps) it holds."""
+
+    state: object
+    cached_ids: list[int]
+    taps: tuple[int, ...]
+    tap_buf: torch.Tensor | None
+    tap_valid: int
+    used: int
 
 
 class _Detokenizer:

@@ -25,6 +25,11 @@ The cache verbs, the contract every runner keeps:
                         compacted in that order; the rest are dropped.
 - ``truncate(n)``       roll the cache back to its first n tokens.
 - ``reset()``           empty the cache.
+- ``cache_state()`` / ``set_cache_state(state)`` / ``new_cache_state()``
+                        the current cache as an opaque object, switching to
+                        another one, and a fresh empty one: the engine keeps
+                        several caches (slots) and swaps them in, so requests
+                        on different documents do not evict each other.
 
 Tree positions and masks are derived from the parent array by
 :func:`tree_layout`, shared by every runner so they agree by construction.
@@ -100,6 +105,12 @@ class Runner(Protocol):
 
     def reset(self) -> None: ...
 
+    def cache_state(self) -> object: ...
+
+    def set_cache_state(self, state: object) -> None: ...
+
+    def new_cache_state(self) -> object: ...
+
 
 class HFRunner:
     """Runner over any ``AutoModelForCausalLM`` with a ``DynamicCache``.
@@ -134,6 +145,16 @@ class HFRunner:
         self.cache = self._cache_cls(config=self.model.config)
         self._len = 0
         self._pending = 0
+
+    def cache_state(self) -> object:
+        return (self.cache, self._len)
+
+    def set_cache_state(self, state: object) -> None:
+        self.cache, self._len = state  # type: ignore[misc]
+        self._pending = 0
+
+    def new_cache_state(self) -> object:
+        return (self._cache_cls(config=self.model.config), 0)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self._len:

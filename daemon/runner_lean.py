@@ -279,6 +279,16 @@ class LeanRunner:
         self._len = 0
         self._pending = 0
 
+    def cache_state(self) -> object:
+        return (self.kv, self._len)
+
+    def set_cache_state(self, state: object) -> None:
+        self.kv, self._len = state  # type: ignore[misc]
+        self._pending = 0
+
+    def new_cache_state(self) -> object:
+        return (torch.zeros_like(self.kv), 0)
+
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self._len:
             raise ValueError(f"cannot truncate a cache of {self._len} tokens to {n}")

@@ -135,3 +135,39 @@ def test_taps_survive_prefix_reuse(engine):
     assert warm.prompt_hidden.shape == (len(b), 2, engine.runner.hidden_size)
     assert torch.allclose(warm.prompt_hidden, cold.prompt_hidden, atol=1e-4)
     assert all(h is not None and h.shape[1] == 2 for h in warm.step_hidden)
+
+
+def test_cache_slots_keep_two_documents_warm(engine):
+    """Alternating between two unrelated prompts reuses each one's own cached prefix."""
+    a = engine.encode("import json\n\n\ndef load(path):\n    with open(path) as fh:\n")
+    b = engine.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")
+    a2 = a + engine.encode("        return json.load(fh)\n\n\ndef dump(obj, path):\n")
+    b2 = b + engine.encode("\n    def push(self, item):\n")
+    engine.reset_cache()
+    cold_a2, _ = run(engine, a2, max_tokens=6)
+    engine.reset_cache()
+    cold_b2, _ = run(engine, b2, max_tokens=6)
+    engine.reset_cache()
+    run(engine, a, max_tokens=4)
+    run(engine, b, max_tokens=4)
+    warm_a2, stats_a = run(engine, a2, max_tokens=6)
+    warm_b2, stats_b = run(engine, b2, max_tokens=6)
+    assert stats_a.cached_tokens >= len(a)
+    assert stats_b.cached_tokens >= len(b)
+    assert (warm_a2, warm_b2) == (cold_a2, cold_b2)
+
+
+def test_single_slot_engine_refeeds(engine):
+    """With one slot the second document evicts the first (the control for the test above)."""
+    slots = engine.max_slots
+    engine.max_slots = 1
+    try:
+        a = engine.encode("import json\n\n\ndef load(path):\n    with open(path) as fh:\n")
+        b = engine.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")
+        engine.reset_cache()
+        run(engine, a, max_tokens=4)
+        run(engine, b, max_tokens=4)
+        _, stats = run(engine, a + engine.encode("        pass\n"), max_tokens=4)
+        assert stats.cached_tokens < len(a)
+    finally:
+        engine.max_slots = slots
