@@ -25,14 +25,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _quiet_libraries() -> None:
+def _quiet_libraries(loads_model: bool = True) -> None:
+    """Offline, quiet libraries. Commands that load no model skip importing transformers."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
+    if not loads_model:
+        return
     try:
         from transformers.utils import logging as hf_logging
 
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[1:]
     else:
         args, rest = parser.parse_args(argv), []
-    _quiet_libraries()
+    _quiet_libraries(loads_model=args.command not in ("lsp", "status", "complete"))
     func: Callable = args.func
     try:
         if getattr(args, "passthrough", False):

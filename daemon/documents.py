@@ -57,6 +57,10 @@ class Document:
     def position(self, offset: int) -> dict[str, int]:
         return self.doc.position_at(offset)
 
+    def snapshot(self) -> Document:
+        """A frozen copy: later changes to this document do not reach it."""
+        return Document(self.uri, TextDocument(self.doc.text), self.version, self.language)
+
     def token_ids(self, encode: Callable[[str], list[int]]) -> list[int]:
         if self._ids is None:
             self._ids = encode(self.doc.text)

@@ -57,6 +57,7 @@ from codespec.daemon.protocol import (
 )
 from codespec.daemon.scheduler import Job, JobResult, LockedIndex, Scheduler
 from codespec.daemon.workspace import Workspace
+from codespec.ngram_index.positions import PositionError
 from codespec.speculators.registry import names as proposer_names
 
 log = logging.getLogger("codespec.daemon")
@@ -304,6 +305,9 @@ class Server:
         except ProtocolError as exc:
             conn.send(error_frame(rid, exc.code, exc.message))
             return
+        except PositionError as exc:  # a position outside the document is the client's
+            conn.send(error_frame(rid, BAD_PARAMS, str(exc)))
+            return
         except Exception as exc:
             log.exception("%s failed", method)
             conn.send(error_frame(rid, INTERNAL, f"{type(exc).__name__}: {exc}"))
@@ -322,6 +326,8 @@ class Server:
             return
         except ProtocolError as exc:
             conn.send(error_frame(rid, exc.code, exc.message))
+        except PositionError as exc:
+            conn.send(error_frame(rid, BAD_PARAMS, str(exc)))
         except Exception as exc:
             log.exception("request %s failed", rid)
             conn.send(error_frame(rid, INTERNAL, f"{type(exc).__name__}: {exc}"))
@@ -448,7 +454,10 @@ class Server:
         rng = p.range("range")
         instruction = p.str("instruction", "", max_len=4000)
         prediction = p.str("prediction", None)
-        doc = self.documents.get(uri, p.int("version", None, lo=-(2**31), hi=2**63 - 1))
+        live = self.documents.get(uri, p.int("version", None, lo=-(2**31), hi=2**63 - 1))
+        # The edits refer to the text as it was when the request came in; a change the
+        # client sends while the edit streams must not move them.
+        doc = live.snapshot()
         start, end = doc.offset(rng["start"]), doc.offset(rng["end"])
         if end < start:
             raise ProtocolError(BAD_PARAMS, "the range's end precedes its start")

@@ -201,6 +201,21 @@ def test_edit_returns_text_edits_that_turn_old_into_new(client):
     assert same["range"] == rng
 
 
+def test_edit_refers_to_the_text_it_started_from(client):
+    """A change sent while an edit runs does not move the edit's TextEdits."""
+    uri = "file:///edit-during-change.py"
+    client.request("open", {"uri": uri, "text": SOURCE, "version": 1})
+    rng = {"start": {"line": 8, "character": 0}, "end": {"line": 12, "character": 0}}
+    rid = client.send("edit", {"uri": uri, "range": rng, "max_tokens": 24, "version": 1})
+    client.request("change", {"uri": uri, "version": 2, "changes": [{"text": "x = 1\n"}]})
+    r = client.wait(rid)
+    assert r["version"] == 1
+    lines = SOURCE.splitlines(keepends=True)
+    expected = "".join(lines[:8]) + r["text"] + "".join(lines[12:])
+    changes = [{"range": e["range"], "text": e["newText"]} for e in reversed(r["edits"])]
+    assert apply_changes(SOURCE, changes) == expected
+
+
 def test_overloaded_past_the_queue_limit(engine, tmp_path):
     from conftest import ServerThread
 
