@@ -143,14 +143,28 @@ class _FirstTokenTimer:
         pass
 
 
-def run_engine(engine, method: str, prompt: list[int], max_tokens: int, index, uri) -> Run:
+def run_engine(
+    engine,
+    method: str,
+    prompt: list[int],
+    max_tokens: int,
+    index,
+    uri,
+    draft_ids: list[int] | None = None,
+) -> Run:
     from codespec.daemon.engine import GenParams
     from codespec.speculators.draft import RequestInfo
     from codespec.speculators.registry import make_proposer
 
     engine.reset_cache()
     proposer = make_proposer(method, engine, index)
-    info = RequestInfo(prompt_ids=prompt, uri=uri, max_tokens=max_tokens)
+    info = RequestInfo(
+        prompt_ids=prompt,
+        uri=uri,
+        max_tokens=max_tokens,
+        kind="edit" if draft_ids else "generate",
+        draft_text_ids=draft_ids,
+    )
     ids: list[int] = []
     stats = None
     t0 = time.perf_counter()
@@ -174,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--runner", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--prediction",
+        choices=["none", "old", "new"],
+        default="none",
+        help="edit items: what the request carries as its draft text (see build_prompt)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         import torch
@@ -197,26 +217,31 @@ def main(argv: list[str] | None = None) -> int:
     peer = HFPeer(engine) if any(m in PEERS for m in methods) else None
     index = _build_index(engine, items)
 
-    prompts = [build_prompt(engine, item, args.max_tokens) for item in items]
+    prompts = [build_prompt(engine, item, args.max_tokens, args.prediction) for item in items]
 
     def one(method: str, n: int) -> Run:
         item = items[n]
-        prompt, max_tokens = prompts[n]
+        prompt, max_tokens, draft_ids = prompts[n]
         if method in PEERS:
             assert peer is not None
             return peer.run(prompt, max_tokens, args.lookup if method == "hf-pld" else None)
         if index is not None and item.get("uri") in index:
             index.touch(item["uri"])
-        return run_engine(engine, method, prompt, max_tokens, index, item.get("uri"))
+        return run_engine(engine, method, prompt, max_tokens, index, item.get("uri"), draft_ids)
 
     for m in methods:  # warm-up: first prompt, every method, not timed
         one(m, 0)
     aggs: dict[tuple[str, str], Agg] = {}
     items_kinds = {item.get("kind", "prompt") for item in items}
+    matches_new = edits = 0  # edit items whose plain output is the new version
     for n, item in enumerate(items):
         order = methods[n % len(methods) :] + methods[: n % len(methods)]
         runs = {m: one(m, n) for m in order}
         off = runs["off"]
+        if "new" in item:
+            produced = engine.decode(off.ids)
+            matches_new += int(produced.rstrip() == item["new"].rstrip())
+            edits += 1
         kinds = {"all", item.get("kind", "prompt")} if len(items_kinds) > 1 else {"all"}
         for kind in kinds:
             for m, r in runs.items():
@@ -234,15 +259,32 @@ def main(argv: list[str] | None = None) -> int:
             + "  ".join(f"{m} {r.ms:.0f}ms/{r.forwards}f" for m, r in runs.items()),
             file=sys.stderr,
         )
-    print_table(aggs, engine, args)
+    if edits:
+        print(f"edits whose output equals the new version: {matches_new}/{edits}", file=sys.stderr)
+    print_table(aggs, engine, args, {"edits": edits, "output_equals_new": matches_new})
     return 0
 
 
-def build_prompt(engine, item: dict[str, Any], max_override: int) -> tuple[list[int], int]:
-    """Token ids and max_tokens of one workload item (FIM when it has prefix / suffix)."""
+def build_prompt(
+    engine, item: dict[str, Any], max_override: int, prediction: str = "none"
+) -> tuple[list[int], int, list[int] | None]:
+    """Token ids, max_tokens and draft ids of one workload item (FIM when it has a prefix).
+
+    ``prediction`` (edit items): ``none`` — the old region stands in the prompt and
+    nothing else is given; ``old`` — the old region is also the request's draft text;
+    ``new`` — the new version stands in the prompt in its place and is the draft text
+    (predicted outputs / fast apply: the client already knows the new code).
+    """
     from codespec.daemon.prompts import fim_prompt
 
     max_tokens = max_override or int(item.get("max_tokens", 64))
+    draft_ids = None
+    if "new" in item and prediction != "none":
+        text = item[prediction]
+        if prediction == "new":
+            before = item["prefix"][: len(item["prefix"]) - len(item["old"]) - 1]
+            item = dict(item, prefix=before + text + "\n")
+        draft_ids = engine.encode(text)
     if "new" in item and not max_override:  # an edit: room for the new text and a little more
         max_tokens = min(max_tokens, len(engine.encode(item["new"])) + 16)
     budget = engine.max_length - 1 - max_tokens
@@ -255,7 +297,7 @@ def build_prompt(engine, item: dict[str, Any], max_override: int) -> tuple[list[
     else:
         ids = item.get("prompt_ids") or engine.encode(item["prompt"])
         ids = ids[-budget:]
-    return ids, max_tokens
+    return ids, max_tokens, draft_ids
 
 
 def _build_index(engine, items: list[dict[str, Any]]):
@@ -272,7 +314,9 @@ def _build_index(engine, items: list[dict[str, Any]]):
     return index
 
 
-def print_table(aggs: dict[tuple[str, str], Agg], engine, args: argparse.Namespace) -> None:
+def print_table(
+    aggs: dict[tuple[str, str], Agg], engine, args: argparse.Namespace, extra: dict[str, Any]
+) -> None:
     head = f"{'workload':<11}{'method':<9}{'prompts':>8}{'tokens':>8}{'forwards':>9}"
     head += f"{'tok/fwd':>9}{'wall ms':>10}{'vs off':>8}{'decode ms':>11}{'vs off':>8}{'= off':>8}"
     print(
@@ -314,6 +358,8 @@ def print_table(aggs: dict[tuple[str, str], Agg], engine, args: argparse.Namespa
                 "date": str(date.today()),
                 "device": engine.device.type,
                 "runner": engine.runner.name,
+                "prediction": args.prediction,
+                **extra,
                 "rows": rows,
             }
         )
