@@ -151,6 +151,7 @@ def run_engine(
     index,
     uri,
     draft_ids: list[int] | None = None,
+    max_draft: int = 16,
 ) -> Run:
     from codespec.daemon.engine import GenParams
     from codespec.speculators.draft import RequestInfo
@@ -168,7 +169,8 @@ def run_engine(
     ids: list[int] = []
     stats = None
     t0 = time.perf_counter()
-    for delta in engine.stream(prompt, GenParams(max_tokens=max_tokens), proposer, info):
+    params = GenParams(max_tokens=max_tokens, max_draft=max_draft)
+    for delta in engine.stream(prompt, params, proposer, info):
         ids.extend(delta.token_ids)
         stats = delta.stats
     ms = (time.perf_counter() - t0) * 1000
@@ -180,7 +182,7 @@ def run_engine(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec bench", description=__doc__.splitlines()[0])
     p.add_argument("workload", help="a JSONL workload (see `codespec bench make-workloads`)")
-    p.add_argument("--methods", default="off,ngram,hf,hf-pld")
+    p.add_argument("--methods", default="off,ngram,hf,hf-pld", help="NAME@K caps drafts at K")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=0, help="override every prompt's max_tokens")
     p.add_argument("--lookup", type=int, default=10, help="hf-pld's prompt_lookup_num_tokens")
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--runner", default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--max-draft", type=int, default=16, help="draft tokens verified per forward")
     p.add_argument(
         "--prediction",
         choices=["none", "old", "new"],
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     from codespec.speculators.registry import names
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in names() and m not in PEERS]
+    # "NAME@K" runs proposer NAME with at most K draft tokens per forward
+    bad = [m for m in methods if m.partition("@")[0] not in names() and m not in PEERS]
     if bad:
         print(f"codespec bench: unknown methods {bad}", file=sys.stderr)
         return 2
@@ -227,7 +231,17 @@ def main(argv: list[str] | None = None) -> int:
             return peer.run(prompt, max_tokens, args.lookup if method == "hf-pld" else None)
         if index is not None and item.get("uri") in index:
             index.touch(item["uri"])
-        return run_engine(engine, method, prompt, max_tokens, index, item.get("uri"), draft_ids)
+        name, _, cap = method.partition("@")
+        return run_engine(
+            engine,
+            name,
+            prompt,
+            max_tokens,
+            index,
+            item.get("uri"),
+            draft_ids,
+            int(cap) if cap else args.max_draft,
+        )
 
     for m in methods:  # warm-up: first prompt, every method, not timed
         one(m, 0)
