@@ -66,7 +66,12 @@ def start_daemon(threads: int, extra: list[str]) -> tuple[subprocess.Popen, str,
 
 
 def typing_latency(sock: str, text: str, samples: int, speculation: str) -> dict[str, float]:
-    """Type TYPED at a few lines of the file; one completion per keystroke."""
+    """Type TYPED at a few lines of the file; one completion per keystroke.
+
+    The file starts with a line naming the run, so no run reuses the KV cache
+    another left behind: every method pays the same cold prefills.
+    """
+    text = f"# latency run: speculation {speculation}\n{text}"
     lines = text.splitlines(keepends=True)
     uri = "file:///bench/latency.py"
     first: list[float] = []
