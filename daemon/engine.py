@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -394,7 +394,7 @@ class Engine:
         _, first = verify(None, logits, params.temperature, params.top_p, gen)
         stats.prefill_ms = (time.perf_counter() - t0) * 1000
         out_ids: list[int] = []
-        detok = _Detokenizer(self, params.stop)
+        detok = TextTracker(self.decode, params.stop)
         pending = first
         new_tokens = [first]
         accepted_n, drafted_n = 0, 0
@@ -410,7 +410,7 @@ class Engine:
                     finish = "length"
                     break
             stats.tokens = len(out_ids) + (1 if finish == "stop" else 0)
-            text, hit = detok.push(out_ids, final=bool(finish))
+            text, hit = detok.update(out_ids, final=bool(finish))
             if hit:
                 finish = "stop"
                 stats.tokens = detok.tokens_used
@@ -503,24 +503,26 @@ class _Slot:
     used: int
 
 
-class _Detokenizer:
-    """Incremental text of a growing id list, holding back what may still change.
+class TextTracker:
+    """Text of a growing id list, emitted incrementally; stop strings end it.
 
-    Held back: a trailing incomplete UTF-8 sequence (decoded as U+FFFD) and a
-    trailing piece that could be the start of a stop string.
+    Held back until known: a trailing incomplete UTF-8 sequence (decoded as
+    U+FFFD) and a trailing piece that could be the start of a stop string. On a
+    stop string, ``tokens_used`` is the fewest leading tokens that produced it.
     """
 
-    def __init__(self, engine: Engine, stop: list[str]) -> None:
-        self.engine = engine
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        self.decode = decode
         self.stop = [s for s in stop if s]
         self.emitted = 0
         self.text = ""
         self.tokens_used = 0
 
-    def push(self, ids: list[int], final: bool) -> tuple[str, bool]:
-        self.text = self.engine.decode(ids)
+    def update(self, ids: list[int], final: bool) -> tuple[str, bool]:
+        """New text since the last call, and whether a stop string ended it."""
+        self.text = self.decode(ids)
         for s in self.stop:
-            at = self.text.find(s, max(0, self.emitted - len(s)))
+            at = self.text.find(s, max(0, self.emitted - len(s) + 1))
             if at >= 0:
                 self.text = self.text[:at]
                 self.tokens_used = self._tokens_for(ids, at + len(s))
@@ -532,9 +534,14 @@ class _Detokenizer:
             for s in self.stop:
                 for k in range(min(len(s) - 1, end), 0, -1):
                     if self.text[:end].endswith(s[:k]):
-                        end = min(end, len(self.text[:end]) - k)
+                        end -= k
                         break
         return self._take(max(end, self.emitted)), False
+
+    @property
+    def clean_cut(self) -> bool:
+        """Whether the text so far ends on a whole character (safe to preempt)."""
+        return not self.text.endswith("\ufffd")
 
     def _take(self, end: int) -> str:
         piece = self.text[self.emitted : end]
@@ -547,6 +554,6 @@ class _Detokenizer:
     def _tokens_for(self, ids: list[int], chars: int) -> int:
         """The fewest leading tokens whose text covers ``chars`` characters."""
         for n in range(1, len(ids) + 1):
-            if len(self.engine.decode(ids[:n])) >= chars:
+            if len(self.decode(ids[:n])) >= chars:
                 return n
         return len(ids)

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon.engine import GenParams
+from codespec.daemon.engine import GenParams, TextTracker
 from codespec.daemon.protocol import BAD_PARAMS, CANCELLED, INTERNAL, OVERLOADED, ProtocolError
 from codespec.speculators.draft import RequestInfo
 from codespec.speculators.registry import make_proposer
@@ -75,48 +75,6 @@ class LockedIndex:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._index, name)
-
-
-class TextTracker:
-    """Text of a growing id list, emitted incrementally; stop strings end it.
-
-    Held back until known: a trailing incomplete UTF-8 sequence (U+FFFD) and a
-    trailing piece that could start a stop string.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
-        self.decode = decode
-        self.stop = [s for s in stop if s]
-        self.text = ""
-        self.emitted = 0
-
-    def update(self, ids: list[int], final: bool) -> tuple[str, bool]:
-        self.text = self.decode(ids)
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.emitted - len(s) + 1))
-            if at >= 0:
-                self.text = self.text[:at]
-                return self._take(len(self.text)), True
-        end = len(self.text)
-        if not final:
-            if self.text.endswith("\ufffd"):
-                end -= 1
-            for s in self.stop:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if self.text[:end].endswith(s[:k]):
-                        end -= k
-                        break
-        return self._take(max(end, self.emitted)), False
-
-    def _take(self, end: int) -> str:
-        piece = self.text[self.emitted : end]
-        self.emitted = max(self.emitted, end)
-        return piece
-
-    @property
-    def clean_cut(self) -> bool:
-        """Whether the text so far ends on a whole character (safe to preempt)."""
-        return not self.text.endswith("\ufffd")
 
 
 @dataclass

@@ -13,9 +13,9 @@ import pytest
 
 from codespec.daemon.client import AsyncClient, Client, DaemonError
 from codespec.daemon.config import Speculation
-from codespec.daemon.engine import GenParams
+from codespec.daemon.engine import GenParams, TextTracker
 from codespec.daemon.protocol import pack
-from codespec.daemon.scheduler import Job, Scheduler, TextTracker, speculation_policy
+from codespec.daemon.scheduler import Job, Scheduler, speculation_policy
 
 PROMPT = "import os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"
 
