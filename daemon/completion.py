@@ -72,9 +72,16 @@ def _head_text(text: str, end: int, chars: int) -> str:
     return text[nl + 1 : end] if 0 <= nl < end else text[cut:end]
 
 
-def complete_prompt(engine: Any, text: str, offset: int, max_tokens: int) -> list[int]:
-    """A FIM prompt for a completion at ``offset`` (a plain prefix without FIM tokens)."""
-    budget = engine.max_length - max_tokens - 1
+def complete_prompt(
+    engine: Any, text: str, offset: int, max_tokens: int, context_tokens: int | None = None
+) -> list[int]:
+    """A FIM prompt for a completion at ``offset`` (a plain prefix without FIM tokens).
+
+    The prompt holds at most ``context_tokens`` tokens (default: the model's whole
+    context), leaving room for ``max_tokens``.
+    """
+    window = min(engine.max_length, context_tokens or engine.max_length)
+    budget = min(window, engine.max_length - max_tokens - 1)
     if budget < 8:
         raise ProtocolError(BAD_PARAMS, f"max_tokens {max_tokens} leaves no room for a prompt")
     chars = budget * CHARS_PER_TOKEN_CAP

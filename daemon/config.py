@@ -19,6 +19,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     max_tokens = 1024         # the most tokens one request may ask for
     max_documents = 512       # open documents before `overloaded`
     max_document_chars = 4000000
+    context_tokens = 1024     # prompt tokens a completion carries at most
 
     [speculation]
     default = "auto"          # auto | off | a proposer's name
@@ -54,6 +55,9 @@ class Limits:
     max_tokens: int = 1024
     max_documents: int = 512
     max_document_chars: int = 4_000_000
+    # Prompt tokens a completion carries at most (prefix + suffix): each first keystroke
+    # at a new spot prefills this much, and the embedded model was trained on 1,024.
+    context_tokens: int = 1024
 
 
 @dataclass
@@ -191,5 +195,7 @@ def validate(config: Config, where: str = "config") -> None:
             f"{where}: speculation.default must be one of {', '.join(names())}, "
             f"got {config.speculation.default!r}"
         )
+    if config.limits.context_tokens < 64:
+        raise ConfigError(f"{where}: limits.context_tokens must be at least 64")
     if config.speculation.off_at < config.speculation.shorten_at:
         raise ConfigError(f"{where}: speculation.off_at must be >= speculation.shorten_at")

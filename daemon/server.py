@@ -438,7 +438,9 @@ class Server:
         params, speculation, stream = self._gen_params(p, 64 if multiline else 16)
         doc = self.documents.get(uri, p.int("version", None, lo=-(2**31), hi=2**63 - 1))
         offset = doc.offset(position)
-        prompt = completion.complete_prompt(self.engine, doc.text, offset, params.max_tokens)
+        prompt = completion.complete_prompt(
+            self.engine, doc.text, offset, params.max_tokens, self.config.limits.context_tokens
+        )
         if not multiline:
             params.stop = ["\n", "\r", *params.stop]
         job = Job(prompt, params, speculation, kind="complete", uri=uri)

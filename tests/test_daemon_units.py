@@ -221,3 +221,24 @@ def test_complete_prompt_start_is_stable_while_typing(engine):
         assert len(ids) <= engine.max_length - 16 - 1
         starts.add(tuple(ids[:50]))
     assert len(starts) <= 2  # the window start moves at most once in 20 keystrokes
+
+
+def test_complete_prompt_respects_the_context_budget(engine):
+    """limits.context_tokens caps the prompt; the text right before the cursor is kept."""
+    text = "".join(f"value_{i} = compute({i}, 'abc')\n" for i in range(400))
+    offset = len(text) // 2
+    full = completion.complete_prompt(engine, text, offset, 16)
+    capped = completion.complete_prompt(engine, text, offset, 16, context_tokens=512)
+    assert len(full) > 1024 >= 512 >= len(capped)
+    fim = engine.fim
+    before_suffix = capped[: capped.index(fim.suffix)]
+    assert engine.decode(before_suffix[-20:]) == engine.decode(full[: full.index(fim.suffix)][-20:])
+
+
+def test_context_tokens_is_validated():
+    from codespec.daemon.config import Config, ConfigError, validate
+
+    cfg = Config()
+    cfg.limits.context_tokens = 10
+    with pytest.raises(ConfigError, match="context_tokens"):
+        validate(cfg)

@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--max-draft", type=int, default=16, help="draft tokens verified per forward")
     p.add_argument(
+        "--context", type=int, default=1024, help="prompt tokens at most (the daemon's default)"
+    )
+    p.add_argument(
         "--prediction",
         choices=["none", "old", "new"],
         default="none",
@@ -221,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     peer = HFPeer(engine) if any(m in PEERS for m in methods) else None
     index = _build_index(engine, items)
 
-    prompts = [build_prompt(engine, item, args.max_tokens, args.prediction) for item in items]
+    prompts = [
+        build_prompt(engine, item, args.max_tokens, args.prediction, args.context) for item in items
+    ]
 
     def one(method: str, n: int) -> Run:
         item = items[n]
@@ -280,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_prompt(
-    engine, item: dict[str, Any], max_override: int, prediction: str = "none"
+    engine,
+    item: dict[str, Any],
+    max_override: int,
+    prediction: str = "none",
+    context: int = 1024,
 ) -> tuple[list[int], int, list[int] | None]:
     """Token ids, max_tokens and draft ids of one workload item (FIM when it has a prefix).
 
@@ -301,7 +310,7 @@ def build_prompt(
         draft_ids = engine.encode(text)
     if "new" in item and not max_override:  # an edit: room for the new text and a little more
         max_tokens = min(max_tokens, len(engine.encode(item["new"])) + 16)
-    budget = engine.max_length - 1 - max_tokens
+    budget = min(context, engine.max_length - 1 - max_tokens)
     if "prefix" in item:
         if engine.fim is None:
             ids = engine.encode(item["prefix"])[-budget:]
