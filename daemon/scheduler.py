@@ -252,7 +252,11 @@ class Scheduler:
         name, max_draft = speculation_policy(
             job.speculation, job.params.max_draft, active, self.cfg
         )
-        proposer = make_proposer(name, self.engine, self.index)
+        try:
+            proposer = make_proposer(name, self.engine, self.index)
+        except (ValueError, LookupError) as exc:  # "eagle" with no head: the request's fault
+            self._finish(job, error=ProtocolError(BAD_PARAMS, str(exc)))
+            return
         prompt = job.prompt_ids + job.out_ids
         params = GenParams(
             max_tokens=remaining,

@@ -194,3 +194,27 @@ def test_cancel_over_the_socket(daemon):
             c.wait(rid)
         assert err.value.code == "cancelled"
     wait_idle(daemon.server.scheduler, timeout=2.0)
+
+
+def test_eagle_without_a_head_is_bad_params(tmp_path):
+    """Asking for "eagle" on a model with no head beside it fails the request, not the daemon."""
+    import shutil
+
+    from codespec.daemon.engine import EMBEDDED_MODEL, Engine
+    from codespec.daemon.protocol import ProtocolError
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_MODEL / name, tmp_path / name)
+    bare = Engine(tmp_path)
+    s = Scheduler(bare, None, Speculation(), 8)
+    s.start()
+    try:
+        ids = bare.encode(PROMPT)
+        with pytest.raises(ProtocolError) as err:
+            s.submit(Job(ids, GenParams(max_tokens=4), "eagle")).result(60)
+        assert err.value.code == "bad_params"
+        assert "head" in err.value.message.lower() or "eagle" in err.value.message.lower()
+        ok = s.submit(Job(ids, GenParams(max_tokens=4), "off")).result(60)
+        assert ok.stats["tokens"] >= 1
+    finally:
+        s.stop()
