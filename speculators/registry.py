@@ -21,8 +21,15 @@ def _ngram(engine: Any, index: Any) -> Proposer:
     return NgramProposer(index=index)
 
 
+def _eagle(engine: Any, index: Any) -> Proposer:
+    from codespec.speculators.eagle import EagleProposer
+
+    return EagleProposer.for_engine(engine)
+
+
 FACTORIES: dict[str, Factory] = {
     "ngram": _ngram,
+    "eagle": _eagle,
 }
 
 # What "auto" means until the policy that chooses per step lands: the n-gram

@@ -1,0 +1,498 @@
+"""`codespec train-eagle`: train an EAGLE-3 draft head on a model's own hidden states.
+
+Owns: the head's training data (a folder of ``.py`` files, by default the
+standard-library training sources of ``train_model``; ``Lib/test`` held out),
+the draft vocabulary (the most frequent tokens of that code), the training
+loop (the target runs in fp32 without gradients over each batch to give the
+taps and its distribution on the fly; training-time test unrolls several draft
+steps feeding the head its own predictions, step losses decayed; seeded,
+resumable, with a progress bar and a wall-clock budget), the held-out report
+(teacher-forced per-step accuracy on stdlib ``test/`` windows, then real
+per-position acceptance when decoding held-out prompts through the engine) and
+the export in vLLM's ``speculators`` EAGLE-3 layout.
+
+Must not touch: the target model's weights (frozen, never written), the
+engine's decode loop, the daemon.
+
+The loss at step ``k`` and position ``t`` is KL(target || head): the target's
+distribution for token ``t + 2 + k`` restricted to the draft vocabulary
+(renormalised) against the head's, weighted by ``decay ** k``; 0 is a perfect
+head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from codespec.daemon.train_model import (
+    SPECIAL_TOKENS,
+    SampleBuilder,
+    TrainConfig,
+    collect_sources,
+    heldout_windows,
+    read_texts,
+)
+from codespec.speculators.eagle_head import EagleConfig, EagleHead, head_size, save_head
+
+
+@dataclass
+class EagleTrainConfig:
+    """Everything that decides a head's training run; saved beside its checkpoint."""
+
+    out: str = "runs/eagle"
+    steps: int = 400
+    minutes: float = 0.0  # wall-clock budget (0: none); the LR decays by whichever ends first
+    batch_size: int = 4
+    seq_len: int = 512
+    ttt_steps: int = 4
+    decay: float = 0.8
+    lr: float = 1e-2
+    warmup: int = 20
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    draft_vocab: int = 2048
+    taps: str = ""  # "a,b,c"; empty: eagle_head.default_taps
+    intermediate_size: int = 0  # 0: the target's
+    fim_rate: float = 0.5
+    seed: int = 0
+    threads: int = 1
+    checkpoint_every: int = 25
+    eval_windows: int = 12
+    eval_prompts: int = 16
+    eval_tokens: int = 48
+    eval_depth: int = 6
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+def load_texts(data: str | None) -> list[str]:
+    """``.py`` files under ``data``; by default the stdlib training sources (``test/`` held out)."""
+    if data:
+        root = Path(data)
+        if not root.is_dir():
+            raise ValueError(f"--data {data} is not a folder")
+        paths = sorted(root.rglob("*.py"))
+    else:
+        paths, _ = collect_sources()
+    texts = [t for t in read_texts(paths) if t.strip()]
+    if not texts:
+        raise ValueError(f"no readable .py files in {data or 'the standard library'}")
+    return texts
+
+
+class WindowBuilder:
+    """Left-to-right windows of ``seq_len + 1`` tokens, for tokenizers without codespec's FIM
+    tokens. Row ``i`` of step ``s`` depends only on (seed, s, i)."""
+
+    def __init__(self, tok: Any, texts: list[str], cfg: TrainConfig) -> None:
+        self.tok, self.texts, self.cfg = tok, texts, cfg
+        self.weights = [len(t) for t in texts]
+
+    def row(self, step: int, index: int) -> list[int]:
+        rng = random.Random(f"{self.cfg.seed}/{step}/{index}")
+        out: list[int] = []
+        while len(out) < self.cfg.seq_len + 1:
+            text = rng.choices(self.texts, weights=self.weights)[0]
+            start = rng.randrange(0, max(1, len(text) - 4000))
+            out.extend(self.tok.encode(text[start : start + 6000]).ids)
+        return out[: self.cfg.seq_len + 1]
+
+
+def load_tokenizer(model_path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    path = Path(model_path) / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"no tokenizer.json in {model_path}")
+    return Tokenizer.from_file(str(path))
+
+
+def draft_vocabulary(
+    tok: Any, texts: list[str], size: int, vocab: int, seed: int, chars: int = 6_000_000
+) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent tokens of (a seeded sample of) the code, special tokens
+    included; returns (sorted ids, the share of the sample's tokens they cover)."""
+    rng = random.Random(seed)
+    order = list(range(len(texts)))
+    rng.shuffle(order)
+    counts: Counter[int] = Counter()
+    used = 0
+    for i in order:
+        counts.update(tok.encode(texts[i]).ids)
+        used += len(texts[i])
+        if used >= chars:
+            break
+    special = [t for s in SPECIAL_TOKENS if (t := tok.token_to_id(s)) is not None and t < vocab]
+    chosen = list(dict.fromkeys(special))
+    for t, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if t < vocab and t not in chosen:
+            chosen.append(t)
+    for t in range(vocab):  # a tiny corpus may not fill the vocabulary
+        if len(chosen) >= size:
+            break
+        if t not in chosen:
+            chosen.append(t)
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in chosen)
+    return torch.tensor(sorted(chosen)), covered / max(1, total)
+
+
+# -- the target ------------------------------------------------------------------------
+
+
+class Target:
+    """The frozen target in fp32: taps and logits of a batch, no gradients."""
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, local_files_only=True, dtype=torch.float32
+        ).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.config = self.model.config
+        self.num_layers = int(self.config.num_hidden_layers)
+
+    @property
+    def embed(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @torch.no_grad()
+    def run(self, x: torch.Tensor, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``(B, T)`` → taps ``(B, T, 3, h)`` and logits ``(B, T, V)``.
+
+        Tap ``l < L`` is ``hidden_states[l]``; tap ``L`` (the last layer's output
+        before the final norm) is hooked, as ``HFRunner`` does.
+        """
+        last: list[torch.Tensor] = []
+        hook = None
+        if self.num_layers in taps:
+            hook = self.model.model.layers[-1].register_forward_hook(
+                lambda _m, _i, o: last.append(o[0] if isinstance(o, tuple) else o)
+            )
+        try:
+            out = self.model(input_ids=x, output_hidden_states=True, use_cache=False)
+        finally:
+            if hook is not None:
+                hook.remove()
+        states = [last[0] if t == self.num_layers else out.hidden_states[t] for t in taps]
+        return torch.stack(states, dim=2).float(), out.logits.float()
+
+
+# -- loss and metrics ------------------------------------------------------------------
+
+
+def ttt_loss(
+    head: EagleHead,
+    taps: torch.Tensor,
+    logits: torch.Tensor,
+    x: torch.Tensor,
+    cfg: EagleTrainConfig,
+) -> tuple[torch.Tensor, list[float]]:
+    """Decayed training-time-test loss over a batch and the per-step cumulative accuracy.
+
+    ``x`` ``(B, T+1)`` tokens, ``taps`` / ``logits`` the target's over them. Head
+    entry ``t`` (``t < T``) pairs taps ``t`` with token ``t + 1``; step ``k`` at ``t``
+    is scored against the target's row ``t + 1 + k``. Accuracy of step ``k``: the
+    share of positions whose steps ``0..k`` all equal the target's argmax.
+    """
+    t = x.shape[1] - 1
+    fused = head.fuse(taps[:, :t])  # (B, T, h)
+    outs = head.ttt_forward(fused, x[:, 1:], cfg.ttt_steps)
+    d2t = head.draft_to_target()
+    target_logp = torch.log_softmax(logits[..., d2t], dim=-1)  # (B, T+1, Vd)
+    target_best = logits.argmax(-1)  # (B, T+1) in target ids
+    loss = logits.new_zeros(())
+    weight_sum = 0.0
+    accs: list[float] = []
+    correct = torch.ones((x.shape[0], t), dtype=torch.bool)
+    for k, out in enumerate(outs):
+        n = t - k  # positions whose target row t + 1 + k exists
+        logp = target_logp[:, 1 + k : 1 + k + n]
+        step = (logp.exp() * (logp - torch.log_softmax(out[:, :n], -1))).sum(-1).mean()  # KL
+        loss = loss + (cfg.decay**k) * step
+        weight_sum += cfg.decay**k
+        with torch.no_grad():
+            hit = d2t[out[:, :n].argmax(-1)] == target_best[:, 1 + k : 1 + k + n]
+            correct = correct[:, :n] & hit
+            accs.append(float(correct.float().mean()))
+    return loss / weight_sum, accs
+
+
+def lr_at(progress: float, step: int, cfg: EagleTrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+@torch.no_grad()
+def heldout_accuracy(
+    head: EagleHead, target: Target, windows: list[list[int]], cfg: EagleTrainConfig
+) -> list[float]:
+    """Teacher-forced cumulative accuracy per draft step on held-out windows."""
+    head.eval()
+    sums = [0.0] * cfg.ttt_steps
+    for w in windows:
+        x = torch.tensor([w])
+        taps, logits = target.run(x, head.cfg.taps)
+        _, accs = ttt_loss(head, taps, logits, x, cfg)
+        sums = [a + b for a, b in zip(sums, accs, strict=True)]
+    head.train()
+    return [s / max(1, len(windows)) for s in sums]
+
+
+def heldout_acceptance(
+    model_path: str, head_path: Path, prompts: int, tokens: int, depth: int, seed: int
+) -> dict[str, Any]:
+    """Real acceptance: greedy decoding of held-out prompts with a fixed-depth EAGLE chain.
+
+    Per position i: P(draft token i accepted | the draft reached depth i and tokens
+    1..i-1 were accepted) and P(accepted length >= i); the bonus token is not counted.
+    """
+    from codespec.daemon.engine import Engine, GenParams
+    from codespec.daemon.train_model import collect_sources as sources
+    from codespec.speculators.eagle import EagleProposer
+
+    engine = Engine(model_path, device="cpu")
+    _, heldout = sources()
+    rng = random.Random(seed)
+    files = [p for p in heldout if p.name.startswith("test_") and p.stat().st_size < 200_000]
+    rng.shuffle(files)
+    steps, forwards, produced = 0, 0, 0
+    reach = [0] * depth
+    hit = [0] * depth
+    used = 0
+    for path in files:
+        if used >= prompts:
+            break
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        if len(lines) < 40:
+            continue
+        cut = rng.randrange(20, len(lines))
+        ids = engine.encode("".join(lines[:cut]))[-min(384, engine.max_length - tokens - 1) :]
+        used += 1
+        prop = EagleProposer.for_engine(engine, head_path, depth=depth, topk=1, adaptive=False)
+        engine.reset_cache()
+        _, stats = engine.generate(ids, GenParams(max_tokens=tokens, max_draft=depth), prop)
+        forwards += stats.target_forwards - 1
+        produced += stats.tokens - 1
+        for d, _, m in prop.history:
+            steps += 1
+            for i in range(d):
+                if m < i:
+                    break
+                reach[i] += 1
+                hit[i] += int(m > i)
+    cond = [h / r if r else 0.0 for h, r in zip(hit, reach, strict=True)]
+    at_least = [h / steps if steps else 0.0 for h in hit]
+    return {
+        "prompts": used,
+        "decode_steps": steps,
+        "per_position_acceptance": [round(c, 4) for c in cond],
+        "p_accepted_at_least": [round(a, 4) for a in at_least],
+        "mean_accepted_no_bonus": round(sum(hit) / steps, 3) if steps else 0.0,
+        "tokens_per_target_forward": round(produced / forwards, 3) if forwards else 0.0,
+    }
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+def build_head(target: Target, cfg: EagleTrainConfig, tok: Any, texts: list[str], name: str):
+    taps = tuple(int(t) for t in cfg.taps.split(",")) if cfg.taps else None
+    vocab = int(target.config.vocab_size)
+    size = min(cfg.draft_vocab or vocab, vocab)
+    ecfg = EagleConfig.for_target(
+        target.config,
+        draft_vocab_size=size,
+        taps=taps,
+        intermediate_size=cfg.intermediate_size or None,
+        name_or_path=name,
+    )
+    ecfg.speculative_tokens = cfg.ttt_steps
+    if max(ecfg.taps) > target.num_layers:
+        raise ValueError(f"taps {ecfg.taps} outside 0..{target.num_layers}")
+    torch.manual_seed(cfg.seed)
+    head = EagleHead(ecfg, target.embed)
+    ids, coverage = draft_vocabulary(tok, texts, size, vocab, cfg.seed)
+    head.set_draft_vocab(ids)
+    head.init_lm_head_from(target.lm_head)
+    return head, coverage
+
+
+def train(
+    cfg: EagleTrainConfig,
+    model: str | None,
+    data: str | None,
+    resume: bool,
+    name: str | None = None,
+) -> int:
+    from tqdm import tqdm
+
+    from codespec.daemon.engine import resolve_model_path
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model_path = resolve_model_path(model)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(model_path)
+    texts = load_texts(data)
+    target = Target(model_path)
+    head, coverage = build_head(target, cfg, tok, texts, name or model or "codespec-embedded")
+    print(
+        f"target {model_path}: {target.num_layers} layers; head taps {head.cfg.taps}, "
+        f"draft vocab {head.cfg.draft_vocab_size} (covers {coverage:.1%} of corpus tokens), "
+        f"{sum(p.numel() for p in head.parameters()) / 1e6:.2f}M trainable parameters; "
+        f"{len(texts)} training files",
+        flush=True,
+    )
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    start, elapsed = 0, 0.0
+    ckpt = out / "checkpoint.pt"
+    if resume and ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if state.get("config") != asdict(cfg):
+            print("note: resuming with a different configuration", flush=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optim"])
+        start, elapsed = int(state["step"]), float(state["elapsed"])
+        print(f"resumed at step {start} ({elapsed / 60:.1f} min trained)", flush=True)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    tcfg = TrainConfig(seq_len=cfg.seq_len, seed=cfg.seed, fim_rate=cfg.fim_rate)
+    has_fim = all(tok.token_to_id(s) is not None for s in SPECIAL_TOKENS)
+    builder = SampleBuilder(tok, texts, tcfg) if has_fim else WindowBuilder(tok, texts, tcfg)
+    head.train()
+    budget_s = cfg.minutes * 60
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="eagle", unit="step")
+    t0 = time.time() - elapsed
+    step = start
+    losses: list[float] = []
+    for step in bar:
+        elapsed = time.time() - t0
+        if budget_s and elapsed >= budget_s:
+            print(f"\nwall-clock budget reached after {step} steps", flush=True)
+            break
+        progress = max(step / cfg.steps, elapsed / budget_s if budget_s else 0.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(progress, step, cfg)
+        x = torch.tensor([builder.row(step, i) for i in range(cfg.batch_size)])
+        taps, logits = target.run(x, head.cfg.taps)
+        loss, accs = ttt_loss(head, taps, logits, x, cfg)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in accs[:4]))
+        if (step + 1) % cfg.checkpoint_every == 0:
+            _checkpoint(ckpt, head, opt, step + 1, time.time() - t0, cfg)
+    else:
+        step = cfg.steps
+    bar.close()
+    _checkpoint(ckpt, head, opt, step, time.time() - t0, cfg)
+    save_head(head, out)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.name != "checkpoint.pt")
+    print(f"saved the head to {out} ({size / 1e6:.1f} MB, speculators EAGLE-3 layout)", flush=True)
+
+    _, heldout_files = collect_sources()
+    held_texts = read_texts(heldout_files)
+    windows = heldout_windows(tok, held_texts, cfg.seq_len, cfg.eval_windows, cfg.seed)
+    tf_acc = heldout_accuracy(head, target, windows, cfg)
+    cond = [tf_acc[0]] + [b / a if a else 0.0 for a, b in itertools.pairwise(tf_acc)]
+    print(
+        "held-out (stdlib test/) teacher-forced, per draft step: cumulative "
+        + " ".join(f"{a:.3f}" for a in tf_acc)
+        + "  conditional "
+        + " ".join(f"{a:.3f}" for a in cond),
+        flush=True,
+    )
+    real: dict[str, Any] = {}
+    if cfg.eval_prompts:
+        real = heldout_acceptance(
+            model_path, out, cfg.eval_prompts, cfg.eval_tokens, cfg.eval_depth, cfg.seed
+        )
+        print(
+            f"held-out decoding ({real['prompts']} prompts, chain depth {cfg.eval_depth}, "
+            f"greedy): per-position acceptance "
+            + " ".join(f"{a:.3f}" for a in real["per_position_acceptance"])
+            + f"; mean accepted {real['mean_accepted_no_bonus']} per step (bonus not counted), "
+            f"{real['tokens_per_target_forward']} tokens per target forward",
+            flush=True,
+        )
+    metrics = {
+        "steps": step,
+        "minutes": round((time.time() - t0) / 60, 2),
+        "train_tokens": step * cfg.batch_size * cfg.seq_len,
+        "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
+        "first_loss": round(sum(losses[:5]) / max(1, len(losses[:5])), 4) if losses else None,
+        "draft_vocab_coverage": round(coverage, 4),
+        "heldout_teacher_forced_cumulative": [round(a, 4) for a in tf_acc],
+        "heldout_teacher_forced_conditional": [round(a, 4) for a in cond],
+        "heldout_decoding": real,
+        "head": head_size(head),
+        "train_config": asdict(cfg),
+    }
+    (out / "training.json").write_text(json.dumps(metrics, indent=2))
+    print(json.dumps({k: metrics[k] for k in metrics if k not in ("head", "train_config")}))
+    return 0
+
+
+def _checkpoint(path: Path, head: EagleHead, opt, step: int, elapsed: float, cfg) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(
+        {
+            "head": head.state_dict(),
+            "optim": opt.state_dict(),
+            "step": step,
+            "elapsed": elapsed,
+            "config": asdict(cfg),
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="codespec train-eagle", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="target model folder (default: the embedded)")
+    p.add_argument("--data", default=None, help="a folder of .py files (default: stdlib sources)")
+    defaults = EagleTrainConfig()
+    for name, value in asdict(defaults).items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--name", default=None, help="the verifier's name in the head's config")
+    args = p.parse_args(argv)
+    cfg = EagleTrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
+    try:
+        return train(cfg, args.model, args.data, args.resume, args.name)
+    except ValueError as exc:
+        print(f"codespec train-eagle: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""The EAGLE-3 head and proposer: shapes, files, the inference runner, drafts, cache, losslessness.
+
+Tiny random models on the CPU, except the losslessness test, which decodes
+held-out prompts with the embedded model (and its shipped head when there is
+one, else a random head: verification must keep the output either way).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from codespec.daemon.engine import EMBEDDED_MODEL, GenParams
+from codespec.daemon.runner_lean import LeanRunner
+from codespec.speculators.draft import StepResult
+from codespec.speculators.eagle import (
+    AcceptanceStats,
+    EagleProposer,
+    EagleRuntime,
+    NoEagleHead,
+    StepCost,
+    grow_draft,
+    head_dir,
+    load_runtime,
+)
+from codespec.speculators.eagle_head import (
+    EagleConfig,
+    EagleHead,
+    HeadRunner,
+    default_taps,
+    load_head,
+    save_head,
+)
+from codespec.speculators.registry import make_proposer
+from conftest import heldout_prompts, tiny_llama
+
+VOCAB = 96
+TAPS = (1, 2, 3)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab=VOCAB, layers=3, seed=1)
+
+
+def make_head(target, draft_vocab: int = 64, seed: int = 0) -> EagleHead:
+    cfg = EagleConfig.for_target(target.config, draft_vocab_size=draft_vocab, taps=TAPS)
+    torch.manual_seed(seed)
+    head = EagleHead(cfg, target.get_input_embeddings().weight)
+    head.set_draft_vocab(torch.randperm(VOCAB)[:draft_vocab])
+    with torch.no_grad():  # norms away from 1 so a swapped norm shows
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return head.eval()
+
+
+def test_shapes_and_default_taps(target):
+    head = make_head(target)
+    b, t, h = 2, 7, target.config.hidden_size
+    fused = head.fuse(torch.randn(b, t, 3, h))
+    assert fused.shape == (b, t, h)
+    outs = head.ttt_forward(fused, torch.randint(0, VOCAB, (b, t)), steps=3)
+    assert [o.shape for o in outs] == [(b, t, 64)] * 3
+    assert head.draft_to_target().shape == (64,)
+    assert int(head.t2d.sum()) == 64
+    assert torch.equal(head.draft_to_target(), torch.nonzero(head.t2d).flatten())
+    assert default_taps(4) == (1, 2, 3) and default_taps(32) == (2, 16, 29)
+    assert max(default_taps(2)) < 2
+
+
+def test_speculators_round_trip(target, tmp_path):
+    """The saved folder is vLLM's EAGLE-3 layout and loads back to the same head."""
+    from safetensors.torch import load_file
+
+    head = make_head(target)
+    save_head(head, tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["draft_vocab_size"] == 64
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(TAPS)
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert cfg["transformer_layer_config"]["vocab_size"] == VOCAB
+    assert cfg["speculators_config"]["algorithm"] == "eagle3"
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {
+        "fc.weight",
+        "layers.0.hidden_norm.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= names
+    assert not any("embed" in n for n in names)
+    back = load_head(tmp_path, target.get_input_embeddings().weight)
+    for k, v in head.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    x = torch.randn(1, 5, 3, target.config.hidden_size)
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        a = head.ttt_forward(head.fuse(x), ids, 2)
+        b = back.ttt_forward(back.fuse(x), ids, 2)
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+    assert back.lm_head.weight.shape == (64, target.config.hidden_size)
+    assert back.layers[0].self_attn.q_proj.weight.shape[1] == 2 * target.config.hidden_size
+
+
+def test_fp16_file_and_bad_folder(target, tmp_path):
+    head = make_head(target)
+    save_head(head, tmp_path / "h")  # fp16 by default: half the bytes
+    back = load_head(tmp_path / "h", target.get_input_embeddings().weight)
+    assert torch.allclose(back.fc.weight, head.fc.weight, atol=1e-3)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text(json.dumps({"speculators_model_type": "x"}))
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        load_head(tmp_path / "bad", target.get_input_embeddings().weight)
+
+
+def test_runner_matches_the_training_forward(target):
+    """HeadRunner over a chain (with its cache) computes what step 0 of ttt_forward does,
+    and deeper ttt steps are what the runner computes for a chain drafted from each entry."""
+    head = make_head(target)
+    h = target.config.hidden_size
+    t = 9
+    taps = torch.randn(t, 3, h)
+    ids = torch.randint(0, VOCAB, (t,))
+    with torch.no_grad():
+        outs = head.ttt_forward(head.fuse(taps)[None], ids[None], 3)
+    run = HeadRunner(head, target.get_input_embeddings().weight, 64)
+    fused = run.fuse(taps)
+    prenorm, logits = run.forward(ids[:4].tolist(), fused[:4], torch.arange(1, 5))
+    prenorm2, logits2 = run.forward(ids[4:].tolist(), fused[4:], torch.arange(5, t + 1))
+    assert torch.allclose(torch.cat([logits, logits2]), outs[0][0], atol=1e-4)
+    # depth 2 and 3 from entry j: feed the head its own argmax at positions j + 2, j + 3
+    d2t = head.draft_to_target()
+    pre, lg = torch.cat([prenorm, prenorm2]), torch.cat([logits, logits2])
+    for j in (0, 4, t - 1):
+        run.reset()
+        run.forward(ids[: j + 1].tolist(), fused[: j + 1], torch.arange(1, j + 2))
+        h1, lg1 = run.forward([int(d2t[lg[j].argmax()])], pre[j : j + 1], torch.tensor([j + 2]))
+        assert torch.allclose(lg1[0], outs[1][0, j], atol=1e-4)
+        _, lg2 = run.forward([int(d2t[lg1[0].argmax()])], h1, torch.tensor([j + 3]))
+        assert torch.allclose(lg2[0], outs[2][0, j], atol=1e-4)
+
+
+def test_tree_draft_is_a_tree_within_budget(target):
+    head = make_head(target)
+    run = HeadRunner(head, target.get_input_embeddings().weight, 64)
+    h = target.config.hidden_size
+    out, logits = run.forward([3, 4, 5], torch.randn(3, h), torch.arange(1, 4))
+    draft, levels, forwards = grow_draft(run, out[-1], logits[-1:], 3, 4, 4, 100)
+    assert run.length == 3, "speculative entries must be rolled back"
+    assert len(draft) == 4 + 3 * 16 and forwards == 3  # every candidate: 4, then 16 per level
+    assert max(levels) == 4
+    draft, levels, forwards = grow_draft(run, out[-1], logits[-1:], 3, 4, 4, 10)
+    assert len(draft) == 10 and run.length == 3
+    assert not draft.is_chain and draft.probs is None
+    assert all(p < i for i, p in enumerate(draft.parents))
+    assert all(0 <= t < VOCAB for t in draft.tokens)
+    assert all(levels[i] == (1 if p < 0 else levels[p] + 1) for i, p in enumerate(draft.parents))
+    chain, levels, forwards = grow_draft(run, out[-1], logits[-1:], 3, 5, 1, 16)
+    assert chain.is_chain and len(chain) == 5 and forwards == 4 and run.length == 3
+    # the chain is greedy: its first token is the top draft token mapped to the target vocab
+    assert chain.tokens[0] == int(run.draft_ids[logits[-1].argmax()])
+
+
+def test_tree_nodes_see_only_their_ancestors(target):
+    head = make_head(target)
+    emb = target.get_input_embeddings().weight
+    run = HeadRunner(head, emb, 64)
+    h = target.config.hidden_size
+    hid = torch.randn(4, h)
+    run.forward([1, 2, 3, 4], hid, torch.arange(1, 5))
+    # level 1: two siblings at position 5; level 2: a child of the second sibling
+    root = torch.randn(h)
+    allowed = torch.ones((2, 6), dtype=torch.bool)
+    allowed[0, 5] = False
+    allowed[1, 4] = False
+    o1, l1 = run.forward([7, 9], torch.stack([root, root]), torch.tensor([5, 5]), allowed)
+    allowed2 = torch.tensor([[1, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    _, l2 = run.forward([11], o1[1:2], torch.tensor([6]), allowed2)
+    chain = HeadRunner(head, emb, 64)
+    chain.forward([1, 2, 3, 4], hid, torch.arange(1, 5))
+    c1, k1 = chain.forward([9], root[None], torch.tensor([5]))
+    _, k2 = chain.forward([11], c1, torch.tensor([6]))
+    assert torch.allclose(l1[1], k1[0], atol=1e-5)
+    assert torch.allclose(l2, k2, atol=1e-5)
+
+
+def test_depth_choice_follows_acceptance_and_costs():
+    good = AcceptanceStats()
+    bad = AcceptanceStats()
+    for _ in range(200):
+        good.update(6, 6)
+        bad.update(6, 0)
+    flat = lambda d: 10.0 + 0.5 * d  # noqa: E731
+    assert good.best_depth(6, flat)[0] == 6
+    assert bad.best_depth(6, flat)[0] == 1
+    assert good.best_depth(6, flat)[1] > 6 / 14 and bad.best_depth(6, flat)[1] < 1.1 / 10.5
+    assert good.rate(0) > 0.95 and bad.rate(0) < 0.05
+    cost = StepCost()
+    for n, ms in [(1, 5.0), (4, 8.0), (8, 12.0)] * 10:
+        cost.add(n, ms)
+    assert cost.at(1) == pytest.approx(5.0, abs=0.2) and cost.at(8) == pytest.approx(12, abs=0.2)
+
+
+class _Sim:
+    """An engine stand-in over a LeanRunner: the same calls, our choice of accepted tokens."""
+
+    def __init__(self, target, taps):
+        self.runner = LeanRunner.from_hf_model(target, max_length=256)
+        self.taps = taps
+
+    def prefill(self, prompt):
+        self.runner.reset()
+        out = self.runner.forward(prompt, taps=self.taps)
+        return out.hidden
+
+    def step(self, root, draft, accept: int, bonus: int):
+        if draft is None:  # a plain step
+            out = self.runner.forward([root], taps=self.taps)
+            return StepResult(None, [], bonus, [bonus], hidden=out.hidden)
+        ids = [root, *draft.tokens[:accept]]  # a chain: accept its first `accept` nodes
+        out = self.runner.forward(ids, taps=self.taps)
+        return StepResult(draft, list(range(accept)), bonus, [*ids[1:], bonus], hidden=out.hidden)
+
+
+def assert_cache_rebuilt(prop, sim, head, emb, context):
+    """The head's cache equals one built from scratch over ``context`` (its window)."""
+    assert prop.sync(context)
+    base = len(context) - 1 - prop.head.length  # the window's start
+    fresh = HeadRunner(head, emb, 256)
+    sim.runner.reset()
+    taps = sim.runner.forward(context[:-1], taps=prop.taps).hidden
+    _, logits = fresh.forward(
+        context[base + 1 :], fresh.fuse(taps[base:]), torch.arange(base + 1, len(context))
+    )
+    n = fresh.length
+    assert n == prop.head.length
+    assert torch.allclose(prop.head.kv[:, :, :n], fresh.kv[:, :, :n], atol=1e-4)
+    assert torch.allclose(prop._root[1], logits[-1:], atol=1e-4)
+    return base
+
+
+def test_head_cache_stays_in_step_with_partial_accepts(target):
+    """After steps that accept 0, some or all draft tokens, the head's cache equals a
+    cache rebuilt from scratch over the accepted tokens (the target's real states)."""
+    head = make_head(target)
+    emb = target.get_input_embeddings().weight
+    rt = EagleRuntime(HeadRunner(head, emb, 256), head_dir("."))
+    prop = EagleProposer(rt, depth=4, topk=1, adaptive=False, window=16)
+    sim = _Sim(target, prop.taps)
+    rng = random.Random(3)
+    context = [rng.randrange(VOCAB) for _ in range(20)]
+    prop.begin(None)
+    prop.prefilled(sim.prefill(context))
+    context.append(rng.randrange(VOCAB))  # the first sampled token: the root
+    for step in range(8):
+        draft = prop.propose(context, budget=4)
+        assert draft is not None and draft.is_chain and len(draft) == 4
+        accept = [0, 2, 4, 1][step % 4]
+        bonus = rng.randrange(VOCAB)
+        prop.observe(sim.step(context[-1], draft, accept, bonus))
+        context += [*draft.tokens[:accept], bonus]
+    assert assert_cache_rebuilt(prop, sim, head, emb, context) == 20 - 16
+    assert prop.history and all(d == 4 for d, _, _ in prop.history)
+
+
+def test_backs_off_when_drafts_do_not_pay(target):
+    """Measured acceptance near zero and costly drafts: plain steps in growing runs, each
+    ended by one probing draft; the head's cache stays in step through the plain steps."""
+    head = make_head(target)
+    emb = target.get_input_embeddings().weight
+    rt = EagleRuntime(HeadRunner(head, emb, 256), head_dir("."))
+    for _ in range(100):
+        rt.acceptance.update(4, 0)
+    for n in (0, 1, 4) * 5:
+        rt.step.add(n, 10.0 + 3 * n)
+    rt.head_ms = 3.0
+    prop = EagleProposer(rt, depth=4, topk=1, adaptive=True, window=64)
+    sim = _Sim(target, prop.taps)
+    rng = random.Random(5)
+    context = [rng.randrange(VOCAB) for _ in range(12)]
+    prop.begin(None)
+    prop.prefilled(sim.prefill(context))
+    context.append(rng.randrange(VOCAB))
+    drafted = []
+    for _ in range(14):
+        draft = prop.propose(context, budget=4)
+        drafted.append(draft is not None)
+        bonus = rng.randrange(VOCAB)
+        prop.observe(sim.step(context[-1], draft, 0, bonus))
+        context.append(bonus)
+    # runs of 1, 2, 4, 8 plain steps (the deciding step is the first), each ended by a probe
+    expected = [False, True] + [False] * 2 + [True] + [False] * 4 + [True] + [False] * 4
+    assert drafted == expected
+    assert_cache_rebuilt(prop, sim, head, emb, context)
+
+
+def test_no_head_is_a_clear_error(tmp_path):
+    class FakeEngine:
+        model_path = str(tmp_path)
+        runner = None
+
+    with pytest.raises(NoEagleHead, match="train-eagle"):
+        make_proposer("eagle", FakeEngine())
+    with pytest.raises(NoEagleHead, match="needs an engine"):
+        make_proposer("eagle", None)
+
+
+@pytest.fixture(scope="module")
+def eagle_runtime(engine, tmp_path_factory):
+    """The shipped head when there is one; else a random head in a temporary folder."""
+    shipped = head_dir(EMBEDDED_MODEL)
+    if (shipped / "config.json").exists():
+        return load_runtime(engine), True
+    where = tmp_path_factory.mktemp("head")
+    cfg = EagleConfig.for_target(engine.config, draft_vocab_size=1024)
+    torch.manual_seed(0)
+    head = EagleHead(cfg, engine.runner.embed.float())
+    head.init_lm_head_from(engine.runner.embed.float())
+    save_head(head, where)
+    return load_runtime(engine, where), False
+
+
+@pytest.mark.parametrize(("topk", "adaptive"), [(1, True), (3, False)])
+def test_greedy_output_equals_plain_decoding(engine, eagle_runtime, topk, adaptive):
+    """Held-out prompts decoded with EAGLE drafts (chain and tree) give plain greedy output."""
+    runtime, shipped = eagle_runtime
+    params = GenParams(max_tokens=24, max_draft=8)
+    accepted = 0
+    for prompt in heldout_prompts(engine, 6, tokens=120, seed=11):
+        engine.reset_cache()
+        plain, _ = engine.generate(prompt, params)
+        prop = EagleProposer(runtime, depth=4, topk=topk, max_nodes=8, adaptive=adaptive)
+        text, stats = engine.generate(prompt, params, prop)
+        assert text == plain
+        assert prop.history, "the proposer never drafted"
+        accepted += sum(stats.accepted.values())
+    if shipped:
+        assert accepted > 0, "the shipped head never had a draft token accepted"
+
+
+def test_bench_acceptance_and_projection_arithmetic():
+    """Per-position acceptance is conditional on reaching the position; projections use
+    the measured verify cost by draft size and the head cost given."""
+    from codespec.daemon.bench.eagle import Acc, project
+
+    acc = Acc(steps=[(3, 3, 3), (3, 3, 1), (3, 3, 0), (1, 1, 1)], plain_steps=2)
+    pos = acc.per_position(3)
+    assert pos[0] == pytest.approx(3 / 4) and pos[1] == pytest.approx(1 / 2)
+    assert pos[2] == pytest.approx(1.0)
+    verify = {0: 10.0, 1: 12.0, 3: 15.0}
+    pr = project(acc, verify, head_ms=1.0)
+    tokens = 4 + 2 + 1 + 2 + 2  # accepted + bonus per drafted step, 1 per plain step
+    cpu_cost = 2 * 10 + 3 * (15 + 3) + (12 + 1)
+    assert pr["cpu_model"] == pytest.approx(tokens * 10 / cpu_cost, abs=1e-3)
+    flat_cost = 2 * 10 + 3 * (10 + 3 / 3) + (10 + 1 / 3)
+    assert pr["head_1_30_flat_verify"] == pytest.approx(tokens * 10 / flat_cost, abs=1e-3)

@@ -1,0 +1,118 @@
+"""`codespec train-eagle`: the loss goes down, the run writes a loadable head, it resumes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from codespec.daemon import train_eagle
+from codespec.daemon.engine import EMBEDDED_MODEL
+from codespec.speculators.eagle_head import EagleConfig, EagleHead, load_head
+from conftest import tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_training_steps_lower_the_loss():
+    """Twenty steps on one batch: the decayed TTT loss falls and step-0 accuracy rises."""
+    model = tiny_llama(vocab=96, layers=2, seed=2)
+    target = train_eagle.Target.__new__(train_eagle.Target)
+    target.model, target.config, target.num_layers = model, model.config, 2
+    cfg = train_eagle.EagleTrainConfig(ttt_steps=3, decay=0.8)
+    head = EagleHead(
+        EagleConfig.for_target(model.config, draft_vocab_size=48, taps=(0, 1, 2)),
+        target.embed,
+    )
+    head.set_draft_vocab(torch.arange(48))
+    head.init_lm_head_from(target.lm_head)
+    torch.manual_seed(0)
+    x = torch.randint(0, 96, (2, 33))
+    taps, logits = target.run(x, head.cfg.taps)
+    assert taps.shape == (2, 33, 3, 32) and logits.shape == (2, 33, 96)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    first, first_acc = train_eagle.ttt_loss(head, taps, logits, x, cfg)
+    for _ in range(20):
+        loss, accs = train_eagle.ttt_loss(head, taps, logits, x, cfg)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert loss.item() < 0.8 * first.item()
+    assert accs[0] > first_acc[0]
+    assert len(accs) == 3 and accs[0] >= accs[1] >= accs[2]  # cumulative
+
+
+def test_last_layer_tap_is_before_the_final_norm():
+    model = tiny_llama(vocab=96, layers=2, seed=2)
+    target = train_eagle.Target.__new__(train_eagle.Target)
+    target.model, target.config, target.num_layers = model, model.config, 2
+    x = torch.randint(0, 96, (1, 9))
+    taps, logits = target.run(x, (0, 1, 2))
+    head = model.lm_head(model.model.norm(taps[:, :, 2]))
+    assert torch.allclose(head, logits, atol=1e-5)
+
+
+def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys):
+    model_dir = tmp_path / "model"
+    model = tiny_llama(vocab=8192, layers=2, seed=0, max_position_embeddings=256)
+    model.save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_MODEL / name, model_dir / name)
+    data = tmp_path / "data"
+    data.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("bisect.py", "colorsys.py", "keyword.py"):
+        shutil.copy(stdlib / name, data / name)
+    out = tmp_path / "head"
+    args = [
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "48",
+        "--ttt-steps",
+        "2",
+        "--draft-vocab",
+        "256",
+        "--eval-windows",
+        "1",
+        "--eval-prompts",
+        "1",
+        "--eval-tokens",
+        "6",
+        "--eval-depth",
+        "2",
+        "--checkpoint-every",
+        "2",
+    ]
+    assert train_eagle.main([*args, "--steps", "3"]) == 0
+    head = load_head(out, model.get_input_embeddings().weight)
+    assert head.cfg.draft_vocab_size == 256 and head.cfg.taps == (1, 1, 1)
+    metrics = json.loads((out / "training.json").read_text())
+    assert len(metrics["heldout_teacher_forced_cumulative"]) == 2
+    assert len(metrics["heldout_decoding"]["per_position_acceptance"]) == 2
+    assert metrics["steps"] == 3
+    capsys.readouterr()
+    assert train_eagle.main([*args, "--steps", "4", "--resume"]) == 0
+    assert "resumed at step 3" in capsys.readouterr().out
+    assert json.loads((out / "training.json").read_text())["steps"] == 4
+
+
+def test_bad_data_folder_is_an_error(tmp_path, capsys):
+    assert train_eagle.main(["--data", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 1
+    assert "is not a folder" in capsys.readouterr().err
