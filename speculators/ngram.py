@@ -21,6 +21,11 @@ match; siblings after the first get half of that. ``L`` adapts per request in
 drafted path was accepted whole, halves (down to ``min_len``) when nothing was
 accepted, and stays put otherwise (a partial accept is a divergence, not a sign
 that drafts are too long).
+
+Back-off: when the moving average of accepted tokens per drafted step falls
+below ``min_gain``, the proposer skips drafting for 1, 2, 4, ... up to
+``max_backoff`` steps, probing once after each run, so that a request where
+drafts do not pay costs about what plain decoding costs.
 """
 
 from __future__ import annotations
@@ -187,6 +192,8 @@ class NgramProposer:
         min_len: int = 1,
         max_len: int = 32,
         use_context: bool = True,
+        min_gain: float = 1.0,
+        max_backoff: int = 32,
     ) -> None:
         if index is not None and min_n < index.min_n:
             raise ValueError(f"min_n ({min_n}) below the index's key length ({index.min_n})")
@@ -200,7 +207,12 @@ class NgramProposer:
         self.min_len = min_len
         self.max_len = max_len
         self.use_context = use_context
+        self.min_gain = min_gain
+        self.max_backoff = max_backoff
         self.draft_len = init_len
+        self._gain: float | None = None  # moving average of accepted tokens per drafted step
+        self._skip = 0  # plain steps left before the next draft
+        self._backoff = 1
         self.stats = ProposerStats()
         self._uri: str | None = None
         self._context = SequenceMatcher(min_n)
@@ -210,6 +222,7 @@ class NgramProposer:
     def begin(self, request: RequestInfo) -> None:
         self._uri = request.uri
         self.draft_len = self.init_len
+        self._gain, self._skip, self._backoff = None, 0, 1
         self._context = SequenceMatcher(self.min_n)
         self._prompt_len = len(request.prompt_ids)
         self._prediction = None
@@ -228,6 +241,9 @@ class NgramProposer:
             return None
         if self.use_context:
             self._context.sync(context)
+        if self._skip > 0:  # backing off: drafts have not been paying for their verify cost
+            self._skip -= 1
+            return None
         tail = context[-self.max_n :]
         paths: list[tuple[list[int], str]] = []
         pred = self._prediction
@@ -271,6 +287,17 @@ class NgramProposer:
             self.draft_len = min(self.max_len, self.draft_len * 2)
         elif accepted == 0:
             self.draft_len = max(self.min_len, self.draft_len // 2)
+        # Back-off: a verify forward with a draft costs more than a plain step (on a CPU
+        # 1.3-2x for a few tokens), so drafts must average at least min_gain accepted
+        # tokens. Below that, skip drafting for 1, 2, 4, ... steps, each run ended by a
+        # probing draft; a probe accepted whole resets the back-off.
+        self._gain = accepted if self._gain is None else 0.7 * self._gain + 0.3 * accepted
+        full = accepted >= _depth_of(draft)
+        if self._gain < self.min_gain and not full:
+            self._skip = self._backoff
+            self._backoff = min(self.max_backoff, self._backoff * 2)
+        else:
+            self._backoff = 1
 
 
 def _depth_of(draft: Draft) -> int:

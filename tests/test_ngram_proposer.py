@@ -140,3 +140,23 @@ def test_prediction_drafts_the_old_text_from_the_first_step() -> None:
     assert set(d.sources or []) == {"ngram:prediction"}
     d = prop.propose([*prompt, 40, 41, 42, 43], budget=16)
     assert d is not None and d.tokens[:4] == [44, 45, 46, 47]
+
+
+def test_backs_off_when_drafts_do_not_pay_then_recovers() -> None:
+    """Rejected drafts: plain steps for 1, 2, 4 ... steps between probes; a paying probe resets."""
+    context = [1, 2, 3, 4, 5] * 6
+    p = NgramProposer(min_n=2, max_n=4, min_gain=1.0)
+    p.begin(RequestInfo(prompt_ids=context))
+    pattern = []
+    for _ in range(12):  # every draft rejected
+        d = p.propose(context, 8)
+        pattern.append(d is not None)
+        if d is not None:
+            p.observe(StepResult(draft=d, accepted=[], bonus=0))
+    # draft, skip 1, draft, skip 2, draft, skip 4, draft ...
+    assert pattern[:10] == [True, False, True, False, False, True, False, False, False, False]
+    while (d := p.propose(context, 8)) is None:
+        pass
+    p.observe(accept(d, len(d.tokens)))  # the probe is accepted whole: drafting resumes
+    assert p._backoff == 1
+    assert p.propose(context, 8) is not None
