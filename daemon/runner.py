@@ -37,6 +37,7 @@ Tree positions and masks are derived from the parent array by
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +71,22 @@ def tree_layout(parents: list[int] | None, n: int) -> tuple[list[int], torch.Ten
             depth[i] = depth[p] + 1
             anc[i] |= anc[p]
     return depth, anc
+
+
+def check_forward(n: int, length: int, max_length: int) -> None:
+    """The cache-verb preconditions of ``forward`` every runner enforces."""
+    if n == 0:
+        raise ValueError("forward needs at least one token")
+    if length + n > max_length:
+        raise ValueError(f"context of {length + n} tokens exceeds {max_length}")
+
+
+def check_keep(indices: list[int], appended: int) -> None:
+    """``keep`` takes increasing indices into the tokens the last forward appended."""
+    if any(not 0 <= i < appended for i in indices) or any(
+        b <= a for a, b in itertools.pairwise(indices)
+    ):
+        raise ValueError(f"keep({indices}) after a forward of {appended} tokens")
 
 
 @dataclass
@@ -170,6 +187,7 @@ class HFRunner:
     def keep(self, indices: list[int]) -> None:
         t = self._pending
         base = self._len - t
+        check_keep(list(indices), t)
         if list(indices) == list(range(len(indices))):
             self.truncate(base + len(indices))
             return
@@ -191,11 +209,8 @@ class HFRunner:
         last_only: bool = False,
     ) -> ForwardOut:
         n = len(ids)
-        if n == 0:
-            raise ValueError("forward needs at least one token")
+        check_forward(n, self._len, self.max_length)
         depth, anc = tree_layout(parents, n)
-        if self._len + n > self.max_length:
-            raise ValueError(f"context of {self._len + n} tokens exceeds {self.max_length}")
         past = self._len
         x = torch.tensor([ids], device=self.device)
         pos = torch.tensor([[past + d for d in depth]], device=self.device)

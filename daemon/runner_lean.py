@@ -54,7 +54,6 @@ made decode slower, not faster (torch 2.13 inductor, embedded 4x384 model at
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from codespec.daemon.runner import ForwardOut, tree_layout
+from codespec.daemon.runner import ForwardOut, check_forward, check_keep, tree_layout
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 
@@ -299,8 +298,7 @@ class LeanRunner:
         t = self._pending
         base = self._len - t
         idx = list(indices)
-        if any(not 0 <= i < t for i in idx) or any(b <= a for a, b in itertools.pairwise(idx)):
-            raise ValueError(f"keep({idx}) after a forward of {t} tokens")
+        check_keep(idx, t)
         if idx != list(range(len(idx))):
             rows = torch.tensor(idx, device=self.device) + base
             self.kv[:, :, :, base : base + len(idx)] = self.kv.index_select(3, rows)
@@ -318,10 +316,7 @@ class LeanRunner:
         last_only: bool = False,
     ) -> ForwardOut:
         n = len(ids)
-        if n == 0:
-            raise ValueError("forward needs at least one token")
-        if self._len + n > self.max_length:
-            raise ValueError(f"context of {self._len + n} tokens exceeds {self.max_length}")
+        check_forward(n, self._len, self.max_length)
         for t in taps:
             if not 0 <= t <= self.num_layers:
                 raise ValueError(f"tap {t} outside 0..{self.num_layers}")
