@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from codespec.daemon.runner import HFRunner
@@ -42,3 +43,12 @@ def test_tree_then_keep_a_branch():
     r.keep([0, 2, 4])
     assert r.length == 23
     assert torch.allclose(r.forward(ids[23:]).logits, full[23:], atol=ATOL)
+
+
+def test_keep_refuses_bad_indices():
+    """keep() takes increasing indices into the tokens the last forward appended."""
+    r = HFRunner(tiny_llama())
+    r.forward([1, 2, 3, 4])
+    for bad in ([0, 4], [2, 1], [1, 1]):
+        with pytest.raises(ValueError, match="keep"):
+            r.keep(bad)
