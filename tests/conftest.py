@@ -17,6 +17,15 @@ torch.set_num_threads(int(os.environ.get("CODESPEC_TEST_THREADS", min(2, os.cpu_
 HELDOUT = Path(sysconfig.get_paths()["stdlib"]) / "test"
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine, 2 threads wait on each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def engine():
     from codespec.daemon.engine import Engine

@@ -1,9 +1,11 @@
-"""Test-only proposers that draft from a known answer (the plain-decoding output)."""
+"""Test helpers: proposers that draft from a known answer (the plain-decoding output),
+and finding the daemon processes a test started."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 
@@ -66,3 +68,27 @@ class ScriptedProposer:
 
     def observe(self, result: StepResult) -> None:
         pass
+
+
+def alive(pid: int) -> bool:
+    """Running (a killed child nobody has reaped yet is a zombie: dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def daemon_pids(socket_path: str) -> list[int]:
+    """Live ``codespec serve`` processes serving ``socket_path`` (a test's own tmp path)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in cmd and socket_path.encode() in cmd and alive(int(entry.name)):
+            pids.append(int(entry.name))
+    return pids

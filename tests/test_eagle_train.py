@@ -15,13 +15,7 @@ from codespec.daemon.engine import EMBEDDED_MODEL
 from codespec.speculators.eagle_head import EagleConfig, EagleHead, load_head
 from conftest import tiny_llama
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_training_steps_lower_the_loss():

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from codespec.daemon.client import Client, DaemonError
+from helpers import alive, daemon_pids
 
 REQUEST_CANCELLED = -32800
 INVOKED, AUTOMATIC = 1, 2
@@ -121,30 +122,6 @@ class LspDriver:
             self.proc.wait()
         finally:
             self._stderr.close()
-
-
-def alive(pid: int) -> bool:
-    """Running (a killed child the language server has not reaped yet is a zombie: dead)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def daemon_pids(socket_path: str) -> list[int]:
-    """Processes serving ``socket_path`` (the tmp path is unique to this test module)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in cmd and socket_path.encode() in cmd and alive(int(entry.name)):
-            pids.append(int(entry.name))
-    return pids
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> Any:

@@ -34,13 +34,7 @@ SHAPE = dict(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a busy 2-core machine, 2 threads wait on each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randomise(model: torch.nn.Module) -> torch.nn.Module:

