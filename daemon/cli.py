@@ -144,6 +144,12 @@ def cmd_train_eagle(args: argparse.Namespace, rest: list[str]) -> int:
     return train_eagle.main(rest)
 
 
+def cmd_train_medusa(args: argparse.Namespace, rest: list[str]) -> int:
+    from codespec.daemon import train_medusa
+
+    return train_medusa.main(rest)
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from codespec.daemon.bench import dispatch
 
@@ -302,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train_model, passthrough=True)
     e = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head", add_help=False)
     e.set_defaults(func=cmd_train_eagle, passthrough=True)
+    m = sub.add_parser("train-medusa", help="train Medusa draft heads", add_help=False)
+    m.set_defaults(func=cmd_train_medusa, passthrough=True)
     b = sub.add_parser("bench", help="benchmarks: WORKLOAD.jsonl | runner | index", add_help=False)
     b.set_defaults(func=cmd_bench, passthrough=True)
     ls = sub.add_parser("lsp", help="language server for editors (LSP over stdio)")
@@ -315,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    passthrough = {"train-model", "train-eagle", "bench"}
+    passthrough = {"train-model", "train-eagle", "train-medusa", "bench"}
     if argv and argv[0] in passthrough:
         args, rest = parser.parse_known_args(argv[:1])
         rest = argv[1:]

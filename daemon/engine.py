@@ -27,6 +27,7 @@ import torch
 
 from codespec.daemon.prompts import FimTokens, find_fim, stop_token_ids
 from codespec.daemon.runner import HFRunner, Runner
+from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 from codespec.speculators.verify import verify
 
@@ -228,6 +229,8 @@ class Engine:
         self._idle: list[_Slot] = []
         self._clock = 0
         self.lock = threading.Lock()
+        # Measured forward + verification time by forward size (the policy's cost model).
+        self.costs = ForwardCosts()
 
     # -- text <-> ids ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -442,10 +445,12 @@ class Engine:
                 assert draft.parents is not None
                 if not draft.is_chain:
                     parents = [-1] + [p + 1 for p in draft.parents]
+            t_fwd = time.perf_counter()
             fwd = self.runner.forward(ids, parents, taps=taps)
             stats.target_forwards += 1
             stats.decode_steps += 1
             accepted, bonus = verify(draft, fwd.logits, params.temperature, params.top_p, gen)
+            self.costs.add(len(ids), (time.perf_counter() - t_fwd) * 1000)
             kept = [0] + [a + 1 for a in accepted]
             base = self.runner.length - len(ids)
             self.runner.keep(kept)

@@ -484,6 +484,16 @@ class EagleProposer:
 
         return cost
 
+    def follow(self, result: StepResult) -> None:
+        """A step whose draft another proposer made (the policy's choice): queue the kept
+        tokens' hidden states so the head stays in step, leaving the statistics alone."""
+        self._returned_at = 0.0  # that step's time is not the engine's part of ours
+        if result.hidden is None:
+            self._broken = True
+            return
+        kept = [0] + [a + 1 for a in result.accepted]
+        self._pending.append(result.hidden[kept])
+
     def observe(self, result: StepResult) -> None:
         t_in = time.perf_counter()
         drafted = result.draft is not None and len(result.draft) > 0

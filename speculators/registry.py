@@ -27,14 +27,34 @@ def _eagle(engine: Any, index: Any) -> Proposer:
     return EagleProposer.for_engine(engine)
 
 
+def _lookahead(engine: Any, index: Any) -> Proposer:
+    from codespec.speculators.lookahead import make
+
+    return make(engine, index)
+
+
+def _draft(engine: Any, index: Any) -> Proposer:
+    from codespec.speculators.draft_model import make
+
+    return make(engine, index)
+
+
+def _medusa(engine: Any, index: Any) -> Proposer:
+    from codespec.speculators.medusa import make
+
+    return make(engine, index)
+
+
 FACTORIES: dict[str, Factory] = {
     "ngram": _ngram,
     "eagle": _eagle,
+    "lookahead": _lookahead,
+    "draft": _draft,
+    "medusa": _medusa,
 }
 
-# What "auto" means until the policy that chooses per step lands: the n-gram
-# proposer, which proposes nothing (a plain decode step) when nothing matches.
-AUTO = "ngram"
+# "auto" is the policy (codespec.speculators.policy): per step, the n-gram proposer,
+# a model proposer the engine's model has, or a plain step, by measured value.
 
 
 class UnknownProposer(ValueError):
@@ -50,7 +70,9 @@ def make_proposer(name: str, engine: Any = None, index: Any = None) -> Proposer 
     if name == "off":
         return None
     if name == "auto":
-        name = AUTO
+        from codespec.speculators.policy import make
+
+        return make(engine, index)
     factory = FACTORIES.get(name)
     if factory is None:
         raise UnknownProposer(f"unknown speculation {name!r}; choose one of {', '.join(names())}")

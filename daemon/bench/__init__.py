@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "make-workloads": "codespec.daemon.bench.workloads",
     "latency": "codespec.daemon.bench.latency",
     "eagle": "codespec.daemon.bench.eagle",
+    "lookahead": "codespec.daemon.bench.lookahead",
 }
 
 

@@ -1,0 +1,183 @@
+"""The speculation policy ("auto") and the forward-cost table it divides by."""
+
+from __future__ import annotations
+
+import torch
+
+from codespec.daemon.engine import GenParams
+from codespec.speculators.costs import ForwardCosts
+from codespec.speculators.draft import RequestInfo
+from codespec.speculators.eagle import EagleProposer
+from codespec.speculators.ngram import NgramProposer
+from codespec.speculators.policy import (
+    TEMPERATURE_PRIOR,
+    TRIAL_STEPS,
+    AutoProposer,
+    Avg,
+    Book,
+    PolicyStore,
+    depth_bucket,
+    temperature_class,
+)
+from codespec.speculators.registry import make_proposer
+from conftest import heldout_prompts
+from helpers import ScriptedProposer
+
+REPEAT = (
+    "def area(width, height):\n    return width * height\n\n\n"
+    "def volume(width, height, depth):\n    return width * height * depth\n\n\n"
+    "def area(width, height):\n    return width * height\n\n\n"
+    "def volume(width, height, depth):\n    return width * height * depth\n\n\n"
+    "def area("
+)
+
+
+class Positional(ScriptedProposer):
+    """Drafts by position in the oracle: nothing to keep in step when another proposer
+    drafted a step."""
+
+    def follow(self, result) -> None:
+        pass
+
+
+def costs(per_token: float) -> ForwardCosts:
+    """A cost table where a forward of n tokens takes 1 + per_token * (n - 1) ms."""
+    c = ForwardCosts()
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        c.add(n, 1.0 + per_token * (n - 1))
+    c.calibrated = True
+    return c
+
+
+def plain(engine, prompt: list[int], n: int = 40) -> str:
+    engine.reset_cache()
+    return engine.generate(prompt, GenParams(max_tokens=n))[0]
+
+
+def run(engine, prompt: list[int], proposer, n: int = 40, temperature: float = 0.0):
+    engine.reset_cache()
+    return engine.generate(
+        prompt, GenParams(max_tokens=n, temperature=temperature, seed=3), proposer
+    )
+
+
+def test_forward_costs_interpolate_and_stay_monotone():
+    c = ForwardCosts()
+    assert c.at(8) > c.at(1)  # a prior before any measurement
+    c.add(1, 4.0)
+    c.add(8, 8.0)
+    c.add(16, 6.0)  # noisy: a bigger forward measured cheaper
+    assert c.at(1) == 4.0
+    assert 4.0 < c.at(4) < 8.0
+    assert c.at(16) >= c.at(8)  # never cheaper than a smaller one
+    assert c.relative(8) == 2.0
+    assert c.at(200) >= c.at(16)
+
+
+def test_calibration_leaves_the_cache_as_it_was(engine):
+    prompt = heldout_prompts(engine, 1, tokens=64)[0]
+    engine.reset_cache()
+    engine.runner.forward(prompt)
+    length = engine.runner.length
+    c = ForwardCosts()
+    c.calibrate(engine.runner, sizes=(1, 4, 16), reps=1)
+    assert c.calibrated and {s for s, _ in c.known()} == {1, 4, 16}
+    assert engine.runner.length == length
+    after = engine.runner.forward([prompt[-1]]).logits[-1]
+    engine.reset_cache()
+    fresh = engine.runner.forward([*prompt, prompt[-1]], last_only=True).logits[-1]
+    torch.testing.assert_close(after, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_output_equals_plain_decoding(engine):
+    for prompt in heldout_prompts(engine, 5, tokens=160, seed=11):
+        ref = plain(engine, prompt)
+        out, _ = run(engine, prompt, make_proposer("auto", engine, None))
+        assert out == ref
+
+
+def test_expensive_drafts_mean_plain_steps(engine):
+    prompt = engine.encode(REPEAT)
+    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), {}, PolicyStore(costs(10.0)))
+    out, stats = run(engine, prompt, auto)
+    assert out == plain(engine, prompt)
+    assert stats.target_forwards == stats.tokens  # the prefill gives the first token
+    assert stats.drafted == {}
+    assert set(auto.choices) == {"plain"}
+
+
+def test_cheap_drafts_on_repeated_code_mean_ngram_steps(engine):
+    prompt = engine.encode(REPEAT)
+    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), {}, PolicyStore(costs(0.0)))
+    out, stats = run(engine, prompt, auto)
+    assert out == plain(engine, prompt)
+    assert auto.choices.get("ngram", 0) > 0
+    assert stats.target_forwards < stats.tokens
+
+
+def test_the_faster_model_proposer_wins(engine):
+    """Untried model proposers get a trial each; then the one with the better measured
+    rate stays in charge (the other only gets a probe after a gap)."""
+    prompt = heldout_prompts(engine, 1, tokens=120, seed=5)[0]
+    engine.reset_cache()
+    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=200)) for t in d.token_ids]
+    good = Positional(oracle, "correct", engine.runner.vocab_size)
+    bad = Positional(oracle, "random", engine.runner.vocab_size, seed=1)
+    store = PolicyStore(ForwardCosts())  # measured: calibrated when the request begins
+    models = {"eagle": bad, "lookahead": good}
+    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), models, store)
+    out, stats = run(engine, prompt, auto, n=200)
+    assert out == plain(engine, prompt, 200)
+    glob = store.engine_wide["greedy"]
+    assert glob.rate["lookahead"].value > glob.rate["eagle"].value
+    assert auto.choices["eagle"] == TRIAL_STEPS  # its trial, and no second chance yet
+    assert auto.choices["lookahead"] > TRIAL_STEPS
+    assert stats.target_forwards < stats.tokens / 4
+
+
+def test_temperature_has_its_own_figures_starting_below_greedy():
+    store = PolicyStore(costs(0.1))
+    greedy = store.engine_wide.setdefault("greedy", Book())
+    greedy.rate["eagle"] = Avg(2.0, 5)
+    auto = AutoProposer(None, NgramProposer(), {}, store, calibrate=False)
+    auto.begin(RequestInfo(prompt_ids=[1, 2, 3], temperature=0.8))
+    assert auto.tclass == "high"
+    assert auto._figure("rate", "eagle") == 2.0 * TEMPERATURE_PRIOR
+    auto.glob.rate["eagle"] = Avg(0.5, 4)  # measured at this temperature: that wins
+    assert auto._figure("rate", "eagle") == 0.5
+    auto.begin(RequestInfo(prompt_ids=[1, 2, 3], temperature=0.0))
+    assert auto._figure("rate", "eagle") == 2.0
+    assert [temperature_class(t) for t in (0.0, 0.3, 1.0)] == ["greedy", "low", "high"]
+
+
+def test_sampling_runs_finish(engine):
+    prompt = heldout_prompts(engine, 1, tokens=100, seed=2)[0]
+    _out, stats = run(engine, prompt, make_proposer("auto", engine, None), temperature=0.8)
+    assert stats.tokens > 0 and stats.finish_reason in ("length", "stop")
+
+
+def test_depth_buckets():
+    assert [depth_bucket(d) for d in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 3, 3, 4, 4, 5, 5, 6]
+
+
+def test_eagle_follows_steps_it_did_not_draft(engine):
+    """With n-gram steps in between, the EAGLE head is kept in step (no restart) and the
+    output is still plain decoding's."""
+    prompt = engine.encode(REPEAT)
+    eagle = EagleProposer.for_engine(engine)
+    auto = AutoProposer(
+        engine, NgramProposer(min_gain=0.0), {"eagle": eagle}, PolicyStore(costs(0.0))
+    )
+    restarts = []
+    real_restart = auto._restart
+    auto._restart = lambda child, ctx: (restarts.append(child.name), real_restart(child, ctx))
+    engine.reset_cache()
+    ids: list[int] = []
+    text = []
+    for delta in engine.stream(prompt, GenParams(max_tokens=48), auto):
+        ids += delta.token_ids
+        text.append(delta.text)
+    assert "".join(text) == plain(engine, prompt, 48)
+    assert auto.choices.get("ngram") and auto.choices.get("eagle")
+    assert restarts == []
+    assert eagle.sync(prompt + ids)  # its cache + queued states end where the context does
