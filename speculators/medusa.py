@@ -463,13 +463,25 @@ class MedusaProposer:
             self.history.append((self._last_depth, len(result.draft), result.accepted_len))
             self.rt.acceptance.update(self._last_depth, result.accepted_len)
             self.rt.note_own(self._propose_ms)
+        self._advance(result)
+        self._observe_ms = (time.perf_counter() - t_in) * 1000
+
+    def follow(self, result: StepResult) -> None:
+        """A step whose draft another proposer made (a policy's choice): keep the last fed
+        token's state, leaving the statistics and timings alone."""
+        self._returned_at = 0.0
+        self._last_nodes = 0
+        self._advance(result)
+
+    def _advance(self, result: StepResult) -> None:
+        """The state of the last token fed and kept: the root (row 0) when nothing was
+        accepted, else the last accepted node; its logits gave the bonus."""
         if result.hidden is None:
             self._hidden = None
             return
-        row = result.accepted[-1] + 1 if result.accepted else 0  # the last token fed and kept
+        row = result.accepted[-1] + 1 if result.accepted else 0
         self._hidden = result.hidden[row, 0].clone()
         self._expect += 1 + result.accepted_len
-        self._observe_ms = (time.perf_counter() - t_in) * 1000
 
 
 def make(engine: Any, index: Any = None) -> MedusaProposer:
