@@ -7,6 +7,10 @@ sample builder (a mix of prefix-suffix-middle FIM and left-to-right samples),
 the training loop (seeded, resumable checkpoints, progress bar) and the export
 of the shipped model (config + fp16 safetensors + tokenizer.json).
 
+``--tokenizer MODEL_DIR`` reuses that model's tokenizer files verbatim instead of
+training a BPE, so a model trained that way (a draft model for speculative
+decoding) has exactly the target's vocabulary.
+
 Must not touch: the engine, the daemon or anything that serves requests; the
 exported folder is a plain Hugging Face checkpoint that the engine loads like
 any other.
@@ -59,6 +63,7 @@ class TrainConfig:
     checkpoint_every: int = 25
     eval_windows: int = 48
     threads: int = 0
+    tokenizer: str = ""  # a model folder whose tokenizer files to reuse; "" trains a BPE
 
 
 def stdlib_root() -> Path:
@@ -117,6 +122,41 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer_files(src: Path, out: Path) -> None:
+    """Copy a model folder's tokenizer files (byte for byte) into ``out``."""
+    import shutil
+
+    if not (src / "tokenizer.json").exists():
+        raise FileNotFoundError(f"no tokenizer.json in {src}")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists() and (src / name).resolve() != (out / name).resolve():
+            shutil.copyfile(src / name, out / name)
+
+
+def load_tokenizer(cfg: TrainConfig, out: Path, texts: list[str]):
+    """The run's tokenizer: ``cfg.tokenizer``'s files, the run's own, or a newly trained BPE."""
+    from tokenizers import Tokenizer
+
+    if cfg.tokenizer:
+        copy_tokenizer_files(Path(cfg.tokenizer), out)
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        if tok.get_vocab_size() != cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer in {cfg.tokenizer} has {tok.get_vocab_size()} tokens; "
+                f"pass --vocab-size {tok.get_vocab_size()}"
+            )
+        return tok
+    if (out / "tokenizer.json").exists():
+        return Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok = train_tokenizer(texts, cfg.vocab_size)
+    write_tokenizer_files(tok, out)
     return tok
 
 
@@ -273,8 +313,11 @@ def build_model(cfg: TrainConfig, tok):
     return LlamaForCausalLM(mcfg)
 
 
-def export(model, tok, out: Path, metrics: dict) -> None:
-    """Write the shippable checkpoint: config, fp16 safetensors, tokenizer."""
+def export(model, tok, out: Path, metrics: dict, tokenizer_from: Path | None = None) -> None:
+    """Write the shippable checkpoint: config, fp16 safetensors, tokenizer.
+
+    ``tokenizer_from``: copy that folder's tokenizer files instead of writing ``tok``'s.
+    """
     import copy
 
     import torch
@@ -283,7 +326,10 @@ def export(model, tok, out: Path, metrics: dict) -> None:
     half = copy.deepcopy(model).to(torch.float16)
     half.config.torch_dtype = "float16"
     half.save_pretrained(out, safe_serialization=True)
-    write_tokenizer_files(tok, out)
+    if tokenizer_from is not None:
+        copy_tokenizer_files(tokenizer_from, out)
+    else:
+        write_tokenizer_files(tok, out)
     (out / "training.json").write_text(json.dumps(metrics, indent=2))
 
 
@@ -315,14 +361,7 @@ def train(cfg: TrainConfig, resume: bool = False, export_dir: str | None = None)
         f"{len(heldout_texts)} held-out files from {stdlib_root() / 'test'}",
         flush=True,
     )
-    tok_path = out / "tokenizer.json"
-    if tok_path.exists():
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tok_path))
-    else:
-        tok = train_tokenizer(train_texts, cfg.vocab_size)
-        write_tokenizer_files(tok, out)
+    tok = load_tokenizer(cfg, out, train_texts)
     model = build_model(cfg, tok)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
@@ -381,8 +420,8 @@ def train(cfg: TrainConfig, resume: bool = False, export_dir: str | None = None)
     )
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if export_dir:
-        export(model, tok, Path(export_dir), metrics)
-        size = sum(f.stat().st_size for f in Path(export_dir).iterdir())
+        export(model, tok, Path(export_dir), metrics, out if cfg.tokenizer else None)
+        size = sum(f.stat().st_size for f in Path(export_dir).iterdir() if f.is_file())
         print(f"exported to {export_dir} ({size / 1e6:.1f} MB)", flush=True)
     return 0
 
