@@ -152,6 +152,8 @@ def run_engine(
     uri,
     draft_ids: list[int] | None = None,
     max_draft: int = 16,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Run:
     from codespec.daemon.engine import GenParams
     from codespec.speculators.draft import RequestInfo
@@ -169,7 +171,9 @@ def run_engine(
     ids: list[int] = []
     stats = None
     t0 = time.perf_counter()
-    params = GenParams(max_tokens=max_tokens, max_draft=max_draft)
+    params = GenParams(
+        max_tokens=max_tokens, max_draft=max_draft, temperature=temperature, seed=seed
+    )
     for delta in engine.stream(prompt, params, proposer, info):
         ids.extend(delta.token_ids)
         stats = delta.stats
@@ -181,7 +185,9 @@ def run_engine(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec bench", description=__doc__.splitlines()[0])
-    p.add_argument("workload", help="a JSONL workload (see `codespec bench make-workloads`)")
+    p.add_argument(
+        "workload", nargs="+", help="JSONL workloads (see `codespec bench make-workloads`)"
+    )
     p.add_argument("--methods", default="off,ngram,hf,hf-pld", help="NAME@K caps drafts at K")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     p.add_argument("--max-tokens", type=int, default=0, help="override every prompt's max_tokens")
@@ -200,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         default="none",
         help="edit items: what the request carries as its draft text (see build_prompt)",
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (seeded per prompt; outputs then differ from off's "
+        "by design, and the HF peers, greedy only, are left out)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt n uses seed + n)")
     args = p.parse_args(argv)
     if args.threads:
         import torch
@@ -217,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "off" not in methods:
         methods.insert(0, "off")
-    items = load_workload(args.workload)
+    if args.temperature > 0:
+        methods = [m for m in methods if m not in PEERS]
+    items = [item for path in args.workload for item in load_workload(path)]
     if args.limit:
         items = items[: args.limit]
     engine = Engine(args.model, device=args.device, runner=args.runner)
@@ -246,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             item.get("uri"),
             draft_ids,
             int(cap) if cap else args.max_draft,
+            args.temperature,
+            args.seed + n,
         )
 
     for m in methods:  # warm-up: first prompt, every method, not timed
@@ -343,7 +361,8 @@ def print_table(
     head = f"{'workload':<11}{'method':<9}{'prompts':>8}{'tokens':>8}{'forwards':>9}"
     head += f"{'tok/fwd':>9}{'wall ms':>10}{'vs off':>8}{'decode ms':>11}{'vs off':>8}{'= off':>8}"
     print(
-        f"codespec bench {args.workload}  ({date.today()}, {platform.machine()}, "
+        f"codespec bench {' '.join(args.workload)}  (temperature {args.temperature}, "
+        f"{date.today()}, {platform.machine()}, "
         f"{engine.device.type}, {engine.runner.name} runner, model {engine.model_name})"
     )
     print(head)
@@ -377,7 +396,8 @@ def print_table(
         json.dumps(
             {
                 "bench": "methods",
-                "workload": Path(args.workload).name,
+                "workload": ",".join(Path(w).name for w in args.workload),
+                "temperature": args.temperature,
                 "date": str(date.today()),
                 "device": engine.device.type,
                 "runner": engine.runner.name,
