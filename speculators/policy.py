@@ -25,7 +25,7 @@ Each step the candidates are:
 
 The highest value wins. A model proposer nobody has measured yet, or one that
 lost, is tried again for a few steps after a gap that doubles each time it
-loses (up to 128 steps), so a change in the code being written is noticed.
+loses (up to 256 steps), so a change in the code being written is noticed.
 
 Temperature: statistics are kept apart for greedy, low (<= 0.5) and high
 temperatures. Rejection sampling accepts less than greedy matching, so a class
@@ -55,8 +55,8 @@ __all__ = ["AutoProposer", "PolicyStore", "make", "temperature_class"]
 
 MODELS = ("eagle", "medusa", "draft", "lookahead")  # tried in this order when unmeasured
 TEMPERATURE_PRIOR = 0.75  # a sampled class's first estimate: greedy's, times this
-TRIAL_STEPS = 6  # steps a model proposer stays in charge when tried
-FIRST_GAP, MAX_GAP = 16, 128  # steps before a losing model proposer is tried again
+TRIAL_STEPS = 4  # steps a model proposer stays in charge when tried
+FIRST_GAP, MAX_GAP = 16, 256  # steps before a losing model proposer is tried again
 MAX_DOCS = 256
 ALPHA = 0.2  # weight of the newest observation in every moving average
 MIN_SAMPLES = 3  # a document's own figure is used from this many observations on
