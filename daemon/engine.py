@@ -104,7 +104,8 @@ class Stats:
 
 @dataclass
 class Delta:
-    """One streamed step: new text, the new token ids, what the step accepted."""
+    """One streamed step: new text, the new token ids (ending at the stop token, if one
+    ended the request), what the step accepted."""
 
     text: str
     token_ids: list[int]
@@ -404,7 +405,7 @@ class Engine:
         while True:
             # Stop rules, in token order: end of text, max tokens, stop strings.
             finish = ""
-            for tok in new_tokens:
+            for i, tok in enumerate(new_tokens):
                 if tok in self.stop_ids:
                     finish = "stop"
                     break
@@ -412,6 +413,8 @@ class Engine:
                 if len(out_ids) >= max_tokens:
                     finish = "length"
                     break
+            if finish:  # a step's tokens past the stop that ended the request are not output
+                new_tokens = new_tokens[: i + 1]
             stats.tokens = len(out_ids) + (1 if finish == "stop" else 0)
             text, hit = detok.update(out_ids, final=bool(finish))
             if hit:

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from codespec.daemon.engine import Engine, GenParams, ModelLoadError
+from conftest import heldout_prompts
+from helpers import ScriptedProposer
 
 
 def run(engine, prompt, **kw):
@@ -171,3 +173,24 @@ def test_single_slot_engine_refeeds(engine):
         assert stats.cached_tokens < len(a)
     finally:
         engine.max_slots = slots
+
+
+def test_stream_ids_end_at_the_stop_token_even_mid_draft(engine):
+    """A step that accepts a stop token and tokens after it streams only up to the stop."""
+    prompt = heldout_prompts(engine, 1, tokens=120, seed=9)[0]
+    engine.reset_cache()
+    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=40)) for t in d.token_ids]
+    stop = oracle[12]
+    first = oracle.index(stop)
+    saved = engine.stop_ids
+    engine.stop_ids = set(saved) | {stop}
+    try:
+        engine.reset_cache()
+        proposer = ScriptedProposer(oracle, "correct", engine.runner.vocab_size)
+        deltas = list(engine.stream(prompt, GenParams(max_tokens=40, max_draft=16), proposer))
+    finally:
+        engine.stop_ids = saved
+    ids = [t for d in deltas for t in d.token_ids]
+    assert ids == oracle[: first + 1]
+    assert deltas[-1].done and deltas[-1].stats.finish_reason == "stop"
+    assert any(d.accepted > 1 for d in deltas)  # the stop came inside an accepted draft
