@@ -374,6 +374,13 @@ class LookaheadProposer:
             self._note_yield(window_hits)
         self._forget_draft()
 
+    def follow(self, result: StepResult) -> None:
+        """A step another proposer drafted (the auto policy's choice): slide the window by
+        the tokens it emitted; the pool absorbs them at the next ``propose``."""
+        emitted = max(1, len(result.tokens))
+        self._levels = [(lev[emitted:] + [None] * emitted)[: self.W] for lev in self._levels]
+        self._forget_draft()
+
     # -- helpers --------------------------------------------------------------------
 
     def _iterate(self, result: StepResult, emitted: int, mine: bool) -> None:
