@@ -33,6 +33,13 @@ to the target) last:
   also outlives the request, so a new request on the same document reuses its
   prefix, as the engine's own cache does.
 
+The draft model reads at most the last ``window`` tokens of the context (its
+prefill of a 1,024-token prompt would cost a sizeable part of a completion;
+local context is what a small model uses anyway). The window's start is fixed
+per request at its first sync, on a grid of ``window / 4`` tokens, so requests
+on a growing document keep the same start for a while and reuse the cache.
+Above, ``context`` means the context from that start; positions restart at 0.
+
 Sampling: at temperature 0 the draft is the draft model's greedy chain, with
 ``probs`` None. At temperature ``T > 0`` each token is sampled from
 ``q = softmax(logits / T)`` and ``q`` is passed as ``Draft.probs``, so
@@ -45,7 +52,12 @@ per unit of time, ``(1 + sum_{i<=d} prod_{j<=i} a_j) / (t_step(d) + t_own +
 given depth j - 1 was, ``t_step(n)`` the engine's measured time for a step
 verifying n draft tokens, ``t_token`` the measured time of one draft-model
 forward of one token (plus picking the token), ``t_own`` the proposer's other
-measured time in a drafting step (the sync forward, bookkeeping). When even
+measured time in a drafting step (the sync forward, bookkeeping). A plain
+step costs ``t_plain``: measured on plain steps once there were some, before
+that the engine's measured one-token forward (``engine.costs``) plus the
+measured rest of a step; the line ``t_step`` is fitted to drafted steps only,
+since on the CPU a forward of 2 tokens costs far more than one of 1 token
+(an explicit mask) and a line through both would misjudge either. When even
 the best depth yields fewer tokens per unit of time than a plain step, the
 proposer backs off: 1, 2, 4 .. 32 plain steps in a row, each run ended by one
 probing draft. Accepted counts never include the bonus token.
@@ -105,8 +117,12 @@ class DraftRuntime:
     vocab: int  # draft token ids are < vocab (the smaller of the two models' vocab sizes)
     target_vocab: int
     ids: list[int] = field(default_factory=list)  # mirrors the runner's cache, token for token
+    base: int = 0  # the context position of the cache's first token (the window's start)
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
-    step: StepCost = field(default_factory=StepCost)  # the engine's part of a step, by size
+    step: StepCost = field(default_factory=StepCost)  # the engine's part of a drafted step
+    forward_costs: Any = None  # the engine's ForwardCosts (target forward ms by size), if any
+    plain_ms: float = 0.0  # EMA of the engine's part of a plain step
+    rest_ms: float = 0.0  # EMA of a drafted step's engine part beyond its target forward
     token_ms: float = 0.0  # EMA of one single-token draft forward + picking the token
     own_ms: float = 0.0  # EMA of the proposer's other time in a drafting step
 
@@ -116,6 +132,29 @@ class DraftRuntime:
 
     def note_own(self, ms: float) -> None:
         self.own_ms = ms if not self.own_ms else 0.9 * self.own_ms + 0.1 * ms
+
+    def note_step(self, drafted: int, ms: float) -> None:
+        """The engine's part of a step that verified ``drafted`` draft tokens (0: plain)."""
+        if not drafted:
+            self.plain_ms = ms if not self.plain_ms else 0.8 * self.plain_ms + 0.2 * ms
+            return
+        self.step.add(drafted, ms)
+        if self._forward_known(1 + drafted):
+            rest = max(ms - self.forward_costs.at(1 + drafted), 0.0)
+            self.rest_ms = rest if not self.rest_ms else 0.9 * self.rest_ms + 0.1 * rest
+
+    def plain_cost(self) -> float:
+        """Expected ms of a plain step (see the module docstring)."""
+        if self.plain_ms:
+            return self.plain_ms
+        if self.rest_ms and self._forward_known(1):
+            return min(self.forward_costs.at(1) + self.rest_ms, self.step.at(0))
+        return self.step.at(0)
+
+    def _forward_known(self, n: int) -> bool:
+        """Whether the engine has measured target forwards of exactly ``n`` tokens."""
+        known = getattr(self.forward_costs, "known", None)
+        return known is not None and any(size == n for size, _ in known())
 
     def feed(self, ids: list[int]) -> torch.Tensor:
         """Append ``ids`` to the draft cache; the draft model's logits after the last, ``(V,)``."""
@@ -192,8 +231,20 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> DraftRuntime:
     rt = DraftRuntime(
         draft, where, min(draft.vocab_size, runner.vocab_size), int(runner.vocab_size)
     )
+    rt.forward_costs = getattr(engine, "costs", None)
     cache[key] = rt
     return rt
+
+
+def window_start(n: int, window: int) -> int:
+    """Where the draft model's view of an ``n``-token context starts: at most ``window``
+    tokens, the start on a grid of ``window // 4``.
+
+    >>> window_start(100, 256), window_start(300, 256), window_start(330, 256)
+    (0, 64, 128)
+    """
+    grid = max(1, window // 4)
+    return max(0, -(-(n - window) // grid) * grid)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
@@ -222,22 +273,27 @@ class DraftModelProposer:
 
     ``depth``: the longest draft; ``adaptive``: choose the length per step from
     measured acceptance and costs (otherwise always ``depth``), backing off to
-    plain steps when drafting does not pay. See the module docstring.
+    plain steps when drafting does not pay; ``window``: the most context tokens
+    the draft model reads. See the module docstring.
     """
 
     name = SOURCE
 
-    def __init__(self, runtime: DraftRuntime, depth: int = 8, adaptive: bool = True) -> None:
-        if depth < 1:
-            raise ValueError("depth must be at least 1")
+    def __init__(
+        self, runtime: DraftRuntime, depth: int = 8, adaptive: bool = True, window: int = 256
+    ) -> None:
+        if depth < 1 or window < 2:
+            raise ValueError("depth must be at least 1 and window at least 2")
         self.rt = runtime
         self.depth = depth
         self.adaptive = adaptive
+        self.window = window
+        self._base: int | None = None  # this request's window start (set at its first sync)
         self.temperature = 0.0
         self.gen: torch.Generator | None = None
         # per drafted step: (draft length, accepted length; bonus not counted)
         self.history: list[tuple[int, int]] = []
-        self._context_len = 0  # len(context) at the last drafting propose
+        self._context_len = 0  # the window's length at the last drafting propose
         self._last_depth = 0
         self._fed = 0  # tokens the last sync fed
         self._chain_forwards = 0
@@ -262,6 +318,7 @@ class DraftModelProposer:
             self.gen = torch.Generator(device="cpu")
             self.gen.manual_seed(hash(tuple(request.prompt_ids)) & 0x7FFF_FFFF_FFFF_FFFF)
         self.history = []
+        self._base = None
         self._context_len = self._last_depth = self._fed = self._chain_forwards = 0
         self._returned_at = 0.0
         self._skip, self._backoff, self._probe = 0, 1, False
@@ -270,16 +327,22 @@ class DraftModelProposer:
         """Bring the draft cache to ``context`` (see the module docstring); return the draft
         model's logits for the token after the root, ``(V,)``."""
         rt = self.rt
-        common = common_prefix(rt.ids, context, len(context) - 1)
+        if self._base is None:
+            self._base = window_start(len(context), self.window)
+        if rt.base != self._base:  # another window: nothing cached is of use
+            rt.cut(0)
+            rt.base = self._base
+        view = context[self._base :]
+        common = common_prefix(rt.ids, view, len(view) - 1)
         rt.cut(common)
-        self._fed = len(context) - common  # 1 after a partial accept, 2 after a full one
-        return rt.feed(list(context[common:]))
+        self._fed = len(view) - common  # 1 after a partial accept, 2 after a full one
+        return rt.feed(list(view[common:]))
 
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
         t_in = time.perf_counter()
         if self._returned_at:  # the engine's part of the last step: from there to here
             engine_ms = (t_in - self._returned_at) * 1000 - self._observe_ms
-            self.rt.step.add(self._last_depth, engine_ms)
+            self.rt.note_step(self._last_depth, engine_ms)
             self._returned_at = 0.0
         self._last_depth = self._chain_forwards = 0
         self._observe_ms = 0.0
@@ -291,7 +354,7 @@ class DraftModelProposer:
                 self._skip -= 1
                 return self._plain()
             depth, rate = self.rt.acceptance.best_depth(depth, self._cost())
-            if not self._probe and rate < 1.0 / self.rt.step.at(0):
+            if not self._probe and rate < 1.0 / self.rt.plain_cost():
                 # drafting does not pay now: plain steps, twice as many each time in a row,
                 # then one probing draft to refresh the acceptance statistics
                 self._skip = self._backoff - 1
@@ -315,7 +378,7 @@ class DraftModelProposer:
         if depth > 1:
             self.rt.note_token((now - t0) * 1000, depth - 1)
         self._chain_forwards = depth - 1
-        self._context_len = len(context)
+        self._context_len = len(context) - (self._base or 0)
         self._last_depth = depth
         self._propose_ms = (now - t_in) * 1000
         self._returned_at = now

@@ -57,12 +57,15 @@ class Recording(DraftModelProposer):
         super().begin(request)
         self.syncs: list[tuple[list[int], torch.Tensor]] = []
         self.kinds: set[str] = set()
+        self.bases: set[int | None] = set()
         self._ctx: list[int] = []
 
     def sync(self, context: Sequence[int]) -> torch.Tensor:
         logits = super().sync(context)
-        self.syncs.append((list(context), logits.clone()))
-        self._ctx = list(context)
+        self.bases.add(self._base)
+        view = list(context[self._base :])  # what the draft model reads (its window)
+        self.syncs.append((view, logits.clone()))
+        self._ctx = view
         return logits
 
     def observe(self, result: StepResult) -> None:
@@ -151,11 +154,12 @@ def test_shipped_draft_greedy_equals_plain(engine, one_thread):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("which", ["shipped", "target"])
+@pytest.mark.parametrize("which", ["shipped", "target", "window"])
 def test_draft_cache_equals_a_fresh_prefill(engine, target_as_draft: Path, which, one_thread):
     """After partial accepts (shipped draft) and full accepts with the catch-up (the target
     as its own draft), the draft model's next-token logits at every step equal those of a
-    fresh prefill of the same tokens, and the cache holds only accepted tokens."""
+    fresh prefill of the same tokens, and the cache holds only accepted tokens. ``window``:
+    the shipped draft reading only the last 48 tokens (a window start past 0)."""
     path = draft_dir(engine.model_path) if which == "shipped" else target_as_draft
     rt = load_runtime(engine, path)
     fresh, _ = load_runner(str(path), engine.device, "auto", engine.max_length)
@@ -164,10 +168,15 @@ def test_draft_cache_equals_a_fresh_prefill(engine, target_as_draft: Path, which
     kinds: set[str] = set()
     for prompt in heldout_prompts(engine, 3, tokens=100, seed=9):
         want, _ = plain(engine, prompt, 30)
-        proposer = Recording(rt, depth=4, adaptive=False)
+        proposer = Recording(rt, depth=4, adaptive=False, window=48 if which == "window" else 256)
         got, _ = engine.generate(prompt, GenParams(max_tokens=30), proposer)
         assert got == want
         kinds |= proposer.kinds
+        if which == "window":  # ~100-token prompts: the view starts past 0 and keeps <= 48
+            assert len(proposer.bases) == 1 and min(proposer.bases) > 0
+            assert all(len(view) <= 48 + 30 for view, _ in proposer.syncs)
+        else:
+            assert proposer.bases == {0}
         for context, logits in proposer.syncs:
             fresh.reset()
             expect = fresh.forward(context, last_only=True).logits[-1]
