@@ -160,7 +160,13 @@ class Proposer(Protocol):
     wants in :class:`StepResult` (see ``Runner.forward``); absent or empty means none.
     A proposer with taps may also define ``prefilled(hidden)``: called once per
     request after the prefill with the taps of every prompt position,
-    ``(P, len(taps), H)``, cached positions included."""
+    ``(P, len(taps), H)``, cached positions included.
+
+    ``follow(result)`` (optional): the speculation policy ("auto") calls it instead of
+    ``observe`` on the proposers that were not in charge of a step, whose draft came
+    from another proposer; it keeps the proposer's state in step with the accepted
+    tokens without touching its acceptance statistics. A proposer without it is
+    restarted from the context when the policy next puts it in charge."""
 
     name: str
 
