@@ -36,24 +36,29 @@ and the draft is the ``n`` best nodes (a child never outscores its parent, so
 they form a tree; Medusa's sparse trees, EAGLE-2's selection), deterministic
 (``probs`` None).
 
-Adaptivity: a draft limited to depth ``d`` has at most ``n(d) = min(max_nodes,
-per_level * d)`` nodes; ``AcceptanceStats`` (from ``eagle.py``) measures, per
-depth, the chance that depth ``d`` is accepted given depth ``d - 1`` was, and
-``StepCost`` the engine's time for a step with ``n`` draft tokens. Each step
-drafts the depth with the most expected tokens per unit of time,
-``(1 + sum_{i<=d} prod_{j<=i} a_j) / (t_step(n(d)) + t_heads)``; when even that
-is below a plain step's ``1 / t_step(0)`` the proposer backs off (1, 2, 4 .. 32
-plain steps, each run ended by one probing draft). Accepted counts never
-include the bonus token.
+Adaptivity, per step: the tree's nodes come out of :func:`build_tree` best
+first, and the first ``n`` always form a tree. Were the heads calibrated, the
+expected accepted length of the first ``n`` would be ``sum_{i<n} exp(score_i)``
+(node i is on the accepted path with its path probability); a measured
+calibration factor ``c = (accepted + 1) / (predicted + 1)`` (decayed sums over
+drafted steps) corrects it. ``StepCost`` (from ``eagle.py``) gives the engine's
+measured time for a step with ``n`` draft tokens. Each step drafts the ``n``
+with the most expected tokens per unit of time,
+``(1 + c * sum_{i<n} exp(score_i)) / (t_step(n) + t_heads)``; when even that is
+below a plain step's ``1 / t_step(0)`` the proposer backs off (1, 2, 4 .. 32
+plain steps, the heads idle, each run ended by one probing draft).
+``AcceptanceStats`` (from ``eagle.py``) keeps per-depth acceptance for reports.
+Accepted counts never include the bonus token.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
+import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,6 +307,16 @@ class MedusaRuntime:
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     step: StepCost = field(default_factory=StepCost)  # the engine's part of a step, by size
     own_ms: float = 0.0  # EMA of the proposer's time in a drafting step (heads + tree)
+    accepted_sum: float = 0.0  # decayed accepted draft tokens (bonus not counted) ...
+    predicted_sum: float = 0.0  # ... and the heads' own expectation for the same steps
+
+    def calibration(self) -> float:
+        """Measured accepted tokens per token the heads' probabilities expected."""
+        return (self.accepted_sum + 1.0) / (self.predicted_sum + 1.0)
+
+    def note_accepted(self, accepted: int, predicted: float, decay: float = 0.97) -> None:
+        self.accepted_sum = decay * self.accepted_sum + accepted
+        self.predicted_sum = decay * self.predicted_sum + predicted
 
     def note_own(self, ms: float) -> None:
         self.own_ms = ms if not self.own_ms else 0.9 * self.own_ms + 0.1 * ms
@@ -351,9 +366,9 @@ class MedusaProposer:
     """Drafts a tree from the Medusa heads; one instance per request stream.
 
     ``depth``: the most heads used (the deepest draft); ``topk``: candidates per head;
-    ``max_nodes``: the most nodes; ``per_level``: nodes per depth level in the size
-    rule ``n(d) = min(max_nodes, per_level * d)``; ``adaptive``: choose the depth per
-    step from measured acceptance and costs (else always ``depth``, ``max_nodes``).
+    ``max_nodes``: the most nodes; ``adaptive``: choose the number of nodes per step
+    from the heads' probabilities, the measured calibration and costs, and back off
+    when drafting does not pay (otherwise always the ``max_nodes`` best nodes).
     """
 
     name = SOURCE
@@ -364,26 +379,25 @@ class MedusaProposer:
         depth: int | None = None,
         topk: int = 4,
         max_nodes: int = 12,
-        per_level: int = 4,
         adaptive: bool = True,
     ) -> None:
         k = runtime.runner.cfg.num_heads
         depth = k if depth is None else depth
-        if depth < 1 or topk < 1 or max_nodes < 1 or per_level < 1:
-            raise ValueError("depth, topk, max_nodes and per_level must be at least 1")
+        if depth < 1 or topk < 1 or max_nodes < 1:
+            raise ValueError("depth, topk and max_nodes must be at least 1")
         self.rt = runtime
         self.heads = runtime.runner
         self.taps = (runtime.runner.cfg.tap,)
         self.depth = min(depth, k)
         self.topk = topk
         self.max_nodes = max_nodes
-        self.per_level = per_level
         self.adaptive = adaptive
         # per drafted step: (draft depth, draft nodes, accepted length; bonus not counted)
         self.history: list[tuple[int, int, int]] = []
         self._hidden: torch.Tensor | None = None  # the last fed token's state, (h,)
         self._expect = -1  # the context length the next propose must see
         self._last_depth = self._last_nodes = 0
+        self._predicted = 0.0  # the heads' expected accepted length of the last draft
         self._returned_at = 0.0
         self._propose_ms = self._observe_ms = 0.0
         self._skip, self._backoff, self._probe = 0, 1, False
@@ -407,9 +421,6 @@ class MedusaProposer:
         self._hidden = hidden[-1, 0].clone()
         self._expect = int(hidden.shape[0]) + 1  # the prompt and the root
 
-    def nodes_for(self, depth: int) -> int:
-        return min(self.max_nodes, self.per_level * depth)
-
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
         t_in = time.perf_counter()
         if self._returned_at:  # the engine's part of the last step: from there to here
@@ -419,15 +430,20 @@ class MedusaProposer:
         self._last_depth = self._last_nodes = 0
         if budget < 1 or self._hidden is None or len(context) != self._expect:
             return None  # no state for this context (no taps, or bookkeeping lost)
-        depth = min(self.depth, budget)
-        nodes = min(self.max_nodes, budget)
+        if self.adaptive and self._skip > 0:  # backing off: a plain step, the heads idle
+            self._skip -= 1
+            self._returned_at = time.perf_counter()
+            return None
+        lp = self.heads.log_probs(self._hidden, min(self.depth, budget))
+        draft, depths, scores = build_tree(
+            lp, self.heads.draft_ids, self.topk, min(self.max_nodes, budget)
+        )
+        n = len(draft)
         if self.adaptive:
-            if self._skip > 0:  # backing off: a plain step
-                self._skip -= 1
-                self._returned_at = time.perf_counter()
-                return None
-            depth, rate = self.rt.acceptance.best_depth(depth, self._cost(budget))
-            if not self._probe and rate < 1.0 / self.rt.step.at(0):
+            n, value = self.best_size(scores)
+            if not self._probe and value < 1.0 / self.rt.step.at(0):
+                # drafting does not pay now: plain steps, twice as many each time in a row,
+                # then one probing draft to refresh the calibration
                 self._skip = self._backoff - 1
                 self._backoff = min(2 * self._backoff, MAX_BACKOFF)
                 self._probe = True
@@ -436,25 +452,26 @@ class MedusaProposer:
             if not self._probe:
                 self._backoff = 1
             self._probe = False
-            nodes = min(self.nodes_for(depth), budget)
-        lp = self.heads.log_probs(self._hidden, depth)
-        draft, depths, _ = build_tree(lp, self.heads.draft_ids, self.topk, nodes)
+            draft = draft.truncated(n)
         now = time.perf_counter()
-        self._last_depth, self._last_nodes = max(depths, default=0), len(draft)
+        self._predicted = sum(math.exp(x) for x in scores[:n])
+        self._last_depth, self._last_nodes = max(depths[:n], default=0), n
         self._propose_ms = (now - t_in) * 1000
         self._returned_at = now
-        return draft if len(draft) else None
+        return draft if n else None
 
-    def _cost(self, budget: int) -> Callable[[int], float]:
-        """Expected ms of a step drafting to depth d: the engine's part for n(d) nodes and
-        the heads' time."""
-        step = self.rt.step
+    def best_size(self, scores: Sequence[float]) -> tuple[int, float]:
+        """The number of best-first nodes with the most expected tokens per ms, and that
+        rate: ``(1 + c * sum_{i<n} exp(score_i)) / (t_step(n) + t_heads)``; at least 1."""
+        step, c = self.rt.step, self.rt.calibration()
         own = self.rt.own_ms or 0.1 * step.at(1)
-
-        def cost(d: int) -> float:
-            return step.at(min(self.nodes_for(d), budget)) + own
-
-        return cost
+        best, best_value, expected = 1, 0.0, 1.0
+        for i, score in enumerate(scores):
+            expected += c * math.exp(score)
+            value = expected / (step.at(i + 1) + own)
+            if value > best_value:
+                best, best_value = i + 1, value
+        return best, best_value
 
     def observe(self, result: StepResult) -> None:
         t_in = time.perf_counter()
@@ -462,6 +479,7 @@ class MedusaProposer:
         if drafted:
             self.history.append((self._last_depth, len(result.draft), result.accepted_len))
             self.rt.acceptance.update(self._last_depth, result.accepted_len)
+            self.rt.note_accepted(result.accepted_len, self._predicted)
             self.rt.note_own(self._propose_ms)
         self._advance(result)
         self._observe_ms = (time.perf_counter() - t_in) * 1000
