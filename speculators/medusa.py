@@ -46,7 +46,8 @@ measured time for a step with ``n`` draft tokens. Each step drafts the ``n``
 with the most expected tokens per unit of time,
 ``(1 + c * sum_{i<n} exp(score_i)) / (t_step(n) + t_heads)``; when even that is
 below a plain step's ``1 / t_step(0)`` the proposer backs off (1, 2, 4 .. 32
-plain steps, the heads idle, each run ended by one probing draft).
+plain steps, the heads idle, each run ended by one probing draft; the run length
+carries over to the next request).
 ``AcceptanceStats`` (from ``eagle.py``) keeps per-depth acceptance for reports.
 Accepted counts never include the bonus token.
 """
@@ -309,6 +310,7 @@ class MedusaRuntime:
     own_ms: float = 0.0  # EMA of the proposer's time in a drafting step (heads + tree)
     accepted_sum: float = 0.0  # decayed accepted draft tokens (bonus not counted) ...
     predicted_sum: float = 0.0  # ... and the heads' own expectation for the same steps
+    backoff: int = 1  # the next back-off run's length, carried from request to request
 
     def calibration(self) -> float:
         """Measured accepted tokens per token the heads' probabilities expected."""
@@ -413,7 +415,9 @@ class MedusaProposer:
         self._expect = -1
         self._last_depth = self._last_nodes = 0
         self._returned_at = 0.0
-        self._skip, self._backoff, self._probe = 0, 1, False
+        # a new request starts where the last left off: when drafting did not pay there,
+        # the first plain run is already long
+        self._skip, self._backoff, self._probe = 0, self.rt.backoff, False
         self.history = []
 
     def prefilled(self, hidden: torch.Tensor) -> None:
@@ -446,11 +450,12 @@ class MedusaProposer:
                 # then one probing draft to refresh the calibration
                 self._skip = self._backoff - 1
                 self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+                self.rt.backoff = self._backoff
                 self._probe = True
                 self._returned_at = time.perf_counter()
                 return None
             if not self._probe:
-                self._backoff = 1
+                self._backoff = self.rt.backoff = 1
             self._probe = False
             draft = draft.truncated(n)
         now = time.perf_counter()
