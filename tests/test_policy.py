@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from codespec.daemon.engine import GenParams
 from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import RequestInfo
-from codespec.speculators.eagle import EagleProposer
 from codespec.speculators.ngram import NgramProposer
 from codespec.speculators.policy import (
     TEMPERATURE_PRIOR,
@@ -19,7 +19,7 @@ from codespec.speculators.policy import (
     depth_bucket,
     temperature_class,
 )
-from codespec.speculators.registry import make_proposer
+from codespec.speculators.registry import FACTORIES, make_proposer
 from conftest import heldout_prompts
 from helpers import ScriptedProposer
 
@@ -160,17 +160,16 @@ def test_depth_buckets():
     assert [depth_bucket(d) for d in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 3, 3, 4, 4, 5, 5, 6]
 
 
-def test_eagle_follows_steps_it_did_not_draft(engine):
-    """With n-gram steps in between, the EAGLE head is kept in step (no restart) and the
-    output is still plain decoding's."""
+@pytest.mark.parametrize("name", ["eagle", "lookahead", "medusa", "draft"])
+def test_model_proposers_follow_steps_they_did_not_draft(engine, name):
+    """With n-gram steps in between, a model proposer is kept in step by ``follow`` (never
+    restarted) and the output is still plain decoding's."""
     prompt = engine.encode(REPEAT)
-    eagle = EagleProposer.for_engine(engine)
-    auto = AutoProposer(
-        engine, NgramProposer(min_gain=0.0), {"eagle": eagle}, PolicyStore(costs(0.0))
-    )
+    child = FACTORIES[name](engine, None)
+    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), {name: child}, PolicyStore(costs(0.0)))
     restarts = []
     real_restart = auto._restart
-    auto._restart = lambda child, ctx: (restarts.append(child.name), real_restart(child, ctx))
+    auto._restart = lambda c, ctx: (restarts.append(c.name), real_restart(c, ctx))
     engine.reset_cache()
     ids: list[int] = []
     text = []
@@ -178,6 +177,7 @@ def test_eagle_follows_steps_it_did_not_draft(engine):
         ids += delta.token_ids
         text.append(delta.text)
     assert "".join(text) == plain(engine, prompt, 48)
-    assert auto.choices.get("ngram") and auto.choices.get("eagle")
+    assert auto.choices.get("ngram") and auto.choices.get(name)
     assert restarts == []
-    assert eagle.sync(prompt + ids)  # its cache + queued states end where the context does
+    if name == "eagle":
+        assert child.sync(prompt + ids)  # its cache + queued states end where the context does
