@@ -20,8 +20,8 @@ from typing import Any
 
 # Forward sizes (root + draft tokens) that have their own measurement; a size between
 # two of them is interpolated, one past the last is extrapolated linearly.
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-CALIBRATE = (1, 2, 4, 8, 16, 32, 64)
+SIZES = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128)
+CALIBRATE = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 def _bucket(n: int) -> int:
@@ -39,20 +39,17 @@ class ForwardCosts:
     calibrated: bool = False
 
     def add(self, n: int, ms: float) -> None:
-        """Record one forward of ``n`` tokens (sizes between buckets go to the lower one only
-        when they are that size exactly; others update both neighbours, split by distance)."""
+        """Record one forward of ``n`` tokens, in the bucket of the nearest measured size
+        (every size up to 16 has its own; past the last, scaled down to it)."""
         if n < 1 or ms <= 0:
             return
-        i = _bucket(n)
-        if SIZES[i] == n or i == len(SIZES) - 1:
-            self._update(i, ms * SIZES[i] / n if n > SIZES[-1] else ms, 1.0)
+        if n >= SIZES[-1]:
+            self._update(len(SIZES) - 1, ms * SIZES[-1] / n, 1.0)
             return
-        lo, hi = SIZES[i], SIZES[i + 1]
-        w_hi = (n - lo) / (hi - lo)
-        # scale the observation to each neighbour's size with the local slope unknown:
-        # credit it as is, weighted by closeness (sizes in a bucket cost nearly the same)
-        self._update(i, ms, 1.0 - w_hi)
-        self._update(i + 1, ms, w_hi)
+        i = _bucket(n)
+        if SIZES[i] != n and n - SIZES[i] > SIZES[i + 1] - n:
+            i += 1
+        self._update(i, ms, 1.0)
 
     def _update(self, i: int, ms: float, w: float) -> None:
         if w <= 0:

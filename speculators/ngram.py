@@ -218,6 +218,7 @@ class NgramProposer:
         self._context = SequenceMatcher(min_n)
         self._prediction: SequenceMatcher | None = None
         self._prompt_len = 0
+        self.last_match = 0  # the longest match behind the last draft (0: none)
 
     def begin(self, request: RequestInfo) -> None:
         self._uri = request.uri
@@ -246,6 +247,7 @@ class NgramProposer:
             return None
         tail = context[-self.max_n :]
         paths: list[tuple[list[int], str]] = []
+        longest = 0
         pred = self._prediction
         if pred is not None:
             generated = context[self._prompt_len :]
@@ -253,18 +255,23 @@ class NgramProposer:
                 # Too little generated to match on: the old text's start is the draft.
                 start = len(generated)
                 paths.append((pred.seq[start : start + self.draft_len], "ngram:prediction"))
+                longest = self.max_n  # the draft text's own start: as good as a full match
             else:
                 n, conts = pred.match(tail, self.max_n, self.draft_len, self.breadth)
                 paths += [(c[: self._depth(n, i)], "ngram:prediction") for i, c in enumerate(conts)]
+                longest = max(longest, n if conts else 0)
         if self.use_context:
             n, conts = self._context.match(tail, self.max_n, self.draft_len, self.breadth)
             paths += [(c[: self._depth(n, i)], "ngram:context") for i, c in enumerate(conts)]
+            longest = max(longest, n if conts else 0)
         if self.index is not None and len(tail) >= self.min_n:
             cands = self.index.lookup(
                 tail, uri=self._uri, k=self.draft_len, b=self.breadth, min_n=self.min_n
             )
             paths += [(c.tokens[: self._depth(c.n, i)], "ngram:index") for i, c in enumerate(cands)]
+            longest = max([longest, *(c.n for c in cands)])
         paths = [p for p in paths if p[0]]
+        self.last_match = longest if paths else 0
         if not paths:
             return None
         draft = Draft.from_paths(paths).truncated(budget)

@@ -7,30 +7,39 @@ temperature class. It must not touch decoding, verification or the children's
 internals beyond the proposer protocol (``begin`` / ``propose`` / ``observe``,
 plus the optional ``taps`` / ``prefilled`` / ``follow``).
 
-Each step the candidates are:
+Each step:
 
-- plain decoding, worth ``1 / (cost(1) + overhead)`` tokens per ms, where
-  ``cost(n)`` is the engine's measured forward time for ``n`` tokens
-  (:class:`~codespec.speculators.costs.ForwardCosts`) and ``overhead`` the
-  measured rest of a plain step;
-- the n-gram proposer's draft, when it has one (it is cheap to ask every step):
-  ``(1 + E[accepted | source, draft depth]) / (cost(1 + nodes) + overhead +
-  its own time)``, with the expectation a moving average per draft depth;
-- each model proposer that is available for the engine's model (EAGLE when a
-  head is loaded, Medusa heads, a draft model, and lookahead, which needs
-  nothing): its realised tokens per ms over the steps it was in charge
-  (its own time, the verify forward and the rest of the step). A model
-  proposer that finds drafting does not pay proposes nothing, and its
-  realised rate then is a plain step's minus its own cost.
-
-The highest value wins. A model proposer nobody has measured yet, or one that
-lost, is tried again for a few steps after a gap that doubles each time it
-loses (up to 256 steps), so a change in the code being written is noticed.
+1. The n-gram proposer is asked first (it is cheap; it keeps its own adaptive
+   lengths and back-off). Its draft is worth
+   ``(1 + depth * share) / (cost(1 + nodes) + overhead + its own time)`` tokens
+   per ms, where ``share`` is the accepted share of the draft depth measured
+   for drafts behind a match of that length (a decayed mean per match-length
+   bucket, pulled towards an even chance), ``cost(n)`` the engine's measured
+   forward time for ``n`` tokens (:class:`~codespec.speculators.costs.ForwardCosts`)
+   and ``overhead`` the measured rest of a plain step. A plain step is worth
+   ``1 / (cost(1) + overhead)``. The draft is taken unless it is worth less
+   than :data:`NGRAM_TRUST` of a plain step.
+2. Otherwise each model proposer the engine's model has (EAGLE when a head is
+   loaded, Medusa heads, a draft model, and lookahead, which needs nothing) is
+   valued at its realised tokens per ms over the steps it was in charge (mean
+   tokens over mean ms: its own time, the verify forward and the rest of the
+   step). The best one takes the step if it beats a plain step by
+   :data:`MARGIN`. A model proposer that finds drafting does not pay proposes
+   nothing itself, and its realised rate then is a plain step's minus its cost.
+3. Otherwise, a plain step, except that a model proposer nobody has measured
+   yet, or whose gap is up, is tried for :data:`TRIAL_STEPS` steps. The gap
+   doubles each time it loses (up to 512 steps; one far behind, under
+   :data:`CLOSE` of the best, waits the longest gap at once), so a change in
+   the code being written is still noticed.
 
 Temperature: statistics are kept apart for greedy, low (<= 0.5) and high
 temperatures. Rejection sampling accepts less than greedy matching, so a class
 with no measurements yet starts from the greedy figures discounted by
 :data:`TEMPERATURE_PRIOR` and is measured from there on.
+
+Under load the daemon's scheduler (``speculation_policy``) halves the draft budget
+and then switches speculation off as more requests compete; the policy sees the
+smaller budget.
 
 Children that were not in charge of a step stay in step through ``follow(result)``
 when they have it (EAGLE queues the accepted tokens' hidden states); those that
@@ -56,10 +65,14 @@ __all__ = ["AutoProposer", "PolicyStore", "make", "temperature_class"]
 MODELS = ("eagle", "medusa", "draft", "lookahead")  # tried in this order when unmeasured
 TEMPERATURE_PRIOR = 0.75  # a sampled class's first estimate: greedy's, times this
 TRIAL_STEPS = 4  # steps a model proposer stays in charge when tried
-FIRST_GAP, MAX_GAP = 16, 256  # steps before a losing model proposer is tried again
+FIRST_GAP, MAX_GAP = 32, 512  # steps before a losing model proposer is tried again
+NGRAM_TRUST = 0.8  # an n-gram draft worth this share of a plain step is still taken
+MARGIN = 0.05  # a model proposer takes over from a cheaper choice when this much faster
+CLOSE = 0.9  # a loser within this share of the best is re-tried from FIRST_GAP on
 MAX_DOCS = 256
-ALPHA = 0.2  # weight of the newest observation in every moving average
+ALPHA = 0.1  # weight of the newest observation in every moving average
 MIN_SAMPLES = 3  # a document's own figure is used from this many observations on
+ACCEPT_PRIOR = 0.5  # the accepted share of an n-gram draft before any is measured
 
 
 def temperature_class(t: float) -> str:
@@ -81,14 +94,32 @@ class Avg:
 
 
 @dataclass
+class Mean:
+    """A decayed mean that starts from a prior: ``(sum + K * prior) / (weight + K)``, so one
+    unlucky observation does not condemn a source it never gets to try again."""
+
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, x: float, decay: float = 0.95) -> None:
+        self.total = decay * self.total + x
+        self.weight = decay * self.weight + 1.0
+
+    def estimate(self, prior: float, k: float = 2.0) -> float:
+        return (self.total + k * prior) / (self.weight + k)
+
+
+@dataclass
 class Book:
     """The figures of one document (or of the whole engine) for one temperature class."""
 
-    accepted: dict[tuple[str, int], Avg] = field(default_factory=dict)  # (source, depth)
-    rate: dict[str, Avg] = field(default_factory=dict)  # realised tokens per ms
+    accepted: dict[tuple[str, int], Mean] = field(default_factory=dict)  # (source, depth)
+    tokens: dict[str, Avg] = field(default_factory=dict)  # a model proposer's tokens per step
+    ms: dict[str, Avg] = field(default_factory=dict)  # ... and its ms per step, all included
     own_ms: dict[str, Avg] = field(default_factory=dict)  # a proposer's own time per step
     plain_ms: Avg = field(default_factory=Avg)  # a plain step, everything included
-    # exploration: steps since a model proposer was last in charge, and its current gap
+    # exploration (used in the engine-wide book): steps since a model proposer was last
+    # in charge, and its current gap
     idle: dict[str, int] = field(default_factory=dict)
     gap: dict[str, int] = field(default_factory=dict)
 
@@ -96,6 +127,11 @@ class Book:
 def depth_bucket(depth: int) -> int:
     """1, 2, 3-4, 5-8, 9-16, ... as 1, 2, 3, 4, 5, ..."""
     return max(1, depth - 1).bit_length() + (1 if depth > 1 else 0)
+
+
+def match_bucket(n: int) -> int:
+    """An n-gram match length as 1 (up to 2 tokens), 2 (3-4), 3 (5-7) or 4 (8 and more)."""
+    return 1 if n <= 2 else 2 if n <= 4 else 3 if n < 8 else 4
 
 
 class PolicyStore:
@@ -186,6 +222,7 @@ class AutoProposer:
         self._own = 0.0  # the chosen proposer's own ms in the current step
         self._tokens = 0  # tokens the current step produced (from observe)
         self._draft_depth = 0
+        self._match = 0  # the n-gram draft's match bucket
         self.choices: dict[str, int] = {}  # steps in charge, per candidate
 
     # -- the proposer protocol -----------------------------------------------------------
@@ -222,17 +259,20 @@ class AutoProposer:
         overhead = self._overhead()
         best, best_value = "plain", 1.0 / (self.costs.at(1) + overhead)
         if ng is not None and len(ng):
-            exp = self._expected("ngram", _depth(ng))
+            self._match = match_bucket(int(getattr(self.ngram.p, "last_match", 0)))
+            exp = self._expected("ngram", _depth(ng), self._match)
             value = (1.0 + exp) / (self.costs.at(1 + len(ng)) + overhead + self._own_ms("ngram"))
-            if value > best_value:
-                best, best_value = "ngram", value
-        model = self._pick_model(best_value)
+            # the n-gram proposer's own lengths and back-off have the last word, unless the
+            # measured figures say the draft is clearly a loss
+            if value >= NGRAM_TRUST * best_value:
+                best, best_value = "ngram", max(value, best_value)
+        model = self._pick_model(best_value) if best == "plain" else None
         if model is not None:
             best = model
         self.choice = best
         self.choices[best] = self.choices.get(best, 0) + 1
         for name in self.models:
-            idle = self.doc.idle
+            idle = self.glob.idle
             idle[name] = 0 if name == best else idle.get(name, 0) + 1
         if best == "ngram":
             self._own = ng_ms
@@ -257,9 +297,10 @@ class AutoProposer:
         if self.choice == "ngram":
             self.ngram.p.observe(result)
             if result.draft is not None and len(result.draft):
-                key = ("ngram", depth_bucket(self._draft_depth))
+                key = ("ngram", self._match)
+                ratio = result.accepted_len / max(1, self._draft_depth)
                 for book in _both(self.doc, self.glob):
-                    book.accepted.setdefault(key, Avg()).add(result.accepted_len)
+                    book.accepted.setdefault(key, Mean()).add(ratio)
         for name, child in self.models.items():
             if name == self.choice:
                 child.p.observe(replace(result, hidden=child.hidden(result.hidden)))
@@ -281,7 +322,8 @@ class AutoProposer:
             for book in _both(self.doc, self.glob):
                 book.plain_ms.add(ms)
         elif self.choice in self.models:
-            self._note(self.doc, self.glob, "rate", self.choice, self._tokens / max(ms, 1e-3))
+            self._note(self.doc, self.glob, "tokens", self.choice, self._tokens)
+            self._note(self.doc, self.glob, "ms", self.choice, ms)
             self._note(self.doc, self.glob, "own_ms", self.choice, self._own)
         self._tokens = 0
 
@@ -290,17 +332,24 @@ class AutoProposer:
             getattr(book, what).setdefault(name, Avg()).add(x)
 
     def _figure(self, what: str, name: str) -> float | None:
-        """A measured figure: the document's own, else the engine's, else the greedy class's
-        discounted (for rates and acceptance), else None."""
+        """A measured figure: the document's own, else the engine's, else None. ``rate``
+        is a model proposer's tokens per ms (mean tokens over mean ms per step); a sampled
+        temperature class without its own rate starts from greedy's, discounted."""
+        if what == "rate":
+            for book in (self.doc, self.glob):
+                rate = _rate(book, name, MIN_SAMPLES if book is self.doc else 1)
+                if rate is not None:
+                    return rate
+            greedy = self.store.engine_wide.get("greedy")
+            if self.tclass != "greedy" and greedy is not None:
+                rate = _rate(greedy, name, 1)
+                if rate is not None:
+                    return rate * TEMPERATURE_PRIOR
+            return None
         for book in (self.doc, self.glob):
             avg = getattr(book, what).get(name)
             if avg is not None and avg.n >= (MIN_SAMPLES if book is self.doc else 1):
                 return avg.value
-        if self.tclass != "greedy" and what in ("rate", "accepted"):
-            greedy = self.store.engine_wide.get("greedy")
-            avg = getattr(greedy, what).get(name) if greedy is not None else None
-            if avg is not None and avg.n:
-                return avg.value * TEMPERATURE_PRIOR
         return None
 
     def _overhead(self) -> float:
@@ -314,18 +363,22 @@ class AutoProposer:
         v = self._figure("own_ms", name)
         return v if v is not None else 0.0
 
-    def _expected(self, source: str, depth: int) -> float:
-        """Expected accepted tokens (bonus not counted) of a draft of this depth."""
-        b = depth_bucket(depth)
-        v = self._figure("accepted", (source, b))  # type: ignore[arg-type]
-        if v is not None:
-            return v
-        # unmeasured depth: the nearest measured shallower one, else an even chance
-        for lower in range(b - 1, 0, -1):
-            v = self._figure("accepted", (source, lower))  # type: ignore[arg-type]
-            if v is not None:
-                return v
-        return 0.5 * min(depth, 2)
+    def _expected(self, source: str, depth: int, match: int) -> float:
+        """Expected accepted tokens (bonus not counted) of a draft ``depth`` deep behind a
+        match in bucket ``match``: ``depth`` times the accepted share of the draft depth
+        measured for that match bucket (the document's decayed mean, else the engine's),
+        pulled towards an even chance (a source that is never chosen never learns; the
+        n-gram proposer's own back-off catches the drafts that keep failing). A sampled
+        temperature class with nothing measured starts from greedy's, discounted."""
+        key = (source, match)
+        for book in (self.doc, self.glob):
+            mean = book.accepted.get(key)
+            if mean is not None and mean.weight >= (MIN_SAMPLES if book is self.doc else 1):
+                return depth * mean.estimate(ACCEPT_PRIOR)
+        greedy = self.store.engine_wide.get("greedy")
+        if self.tclass != "greedy" and greedy is not None and key in greedy.accepted:
+            return depth * greedy.accepted[key].estimate(ACCEPT_PRIOR) * TEMPERATURE_PRIOR
+        return depth * ACCEPT_PRIOR
 
     def _pick_model(self, best_value: float) -> str | None:
         """The model proposer to put in charge this step, or None (best_value stands)."""
@@ -338,20 +391,23 @@ class AutoProposer:
         best, value = None, best_value
         for name in self.models:
             rate = self._figure("rate", name)
-            if rate is not None and rate > value:
+            if rate is not None and rate > value * (1 + MARGIN if best is None else 1):
                 best, value = name, rate
         if best is not None:
-            self.doc.gap[best] = FIRST_GAP
+            self.glob.gap[best] = FIRST_GAP
             return best
         # nobody beats the incumbent: try one that has not been measured or whose gap is up
+        # (a close loser soon, one far behind only after the longest gap)
         for name in MODELS:
             if name not in self.models:
                 continue
-            measured = self._figure("rate", name) is not None
-            gap = self.doc.gap.get(name, FIRST_GAP)
-            if not measured or self.doc.idle.get(name, 0) >= gap:
-                if measured:
-                    self.doc.gap[name] = min(MAX_GAP, gap * 2)
+            rate = self._figure("rate", name)
+            gap = self.glob.gap.get(name, FIRST_GAP)
+            if rate is not None and rate < CLOSE * best_value:
+                gap = self.glob.gap[name] = MAX_GAP
+            if rate is None or self.glob.idle.get(name, 0) >= gap:
+                if rate is not None:
+                    self.glob.gap[name] = min(MAX_GAP, gap * 2)
                 self.trial = (name, TRIAL_STEPS - 1)
                 return name
         return None
@@ -367,6 +423,13 @@ class AutoProposer:
             with contextlib.suppress(RuntimeError):
                 child.p.prefilled(child.hidden(self.engine.prompt_hidden(fed)))
         child.stale = False
+
+
+def _rate(book: Book, name: str, min_n: int) -> float | None:
+    tokens, ms = book.tokens.get(name), book.ms.get(name)
+    if tokens is None or ms is None or tokens.n < min_n:
+        return None
+    return tokens.value / max(ms.value, 1e-3)
 
 
 def _both(doc: Book, glob: Book) -> tuple[Book, ...]:
@@ -391,8 +454,9 @@ def make(
     from codespec.speculators.registry import FACTORIES
 
     factories = factories if factories is not None else FACTORIES
-    # back-off is the policy's job here: the n-gram proposer reports every match
-    ngram = NgramProposer(index=index, min_gain=0.0)
+    # the n-gram proposer keeps its own back-off (drafts that keep failing stop for a
+    # while); the policy weighs the drafts it does make against their measured cost
+    ngram = NgramProposer(index=index)
     if engine is None:  # no model to measure or to read hidden states from: n-gram only
         return AutoProposer(None, ngram, {}, PolicyStore(ForwardCosts()), calibrate=False)
     store = store_for(engine)

@@ -160,3 +160,18 @@ def test_backs_off_when_drafts_do_not_pay_then_recovers() -> None:
     p.observe(accept(d, len(d.tokens)))  # the probe is accepted whole: drafting resumes
     assert p._backoff == 1
     assert p.propose(context, 8) is not None
+
+
+def test_last_match_reports_the_longest_match_behind_the_draft():
+    from codespec.speculators.draft import RequestInfo
+    from codespec.speculators.ngram import NgramProposer
+
+    p = NgramProposer(max_n=8)
+    seq = list(range(100, 120))
+    p.begin(RequestInfo(prompt_ids=seq + seq[:10]))
+    assert p.propose(seq + seq[:10], 8) is not None
+    assert p.last_match == 8  # a full-length match
+    p.begin(RequestInfo(prompt_ids=[1, 2, 3, 9, 2, 3]))
+    assert p.propose([1, 2, 3, 9, 2, 3], 8) is not None
+    assert p.last_match == 2
+    assert p.propose([50, 51, 52], 8) is None and p.last_match == 0

@@ -16,6 +16,7 @@ from codespec.speculators.policy import (
     Avg,
     Book,
     PolicyStore,
+    _rate,
     depth_bucket,
     temperature_class,
 )
@@ -125,11 +126,12 @@ def test_the_faster_model_proposer_wins(engine):
     bad = Positional(oracle, "random", engine.runner.vocab_size, seed=1)
     store = PolicyStore(ForwardCosts())  # measured: calibrated when the request begins
     models = {"eagle": bad, "lookahead": good}
-    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), models, store)
+    silent = NgramProposer(use_context=False)  # no index either: it never drafts
+    auto = AutoProposer(engine, silent, models, store)
     out, stats = run(engine, prompt, auto, n=200)
     assert out == plain(engine, prompt, 200)
     glob = store.engine_wide["greedy"]
-    assert glob.rate["lookahead"].value > glob.rate["eagle"].value
+    assert _rate(glob, "lookahead", 1) > _rate(glob, "eagle", 1)
     assert auto.choices["eagle"] == TRIAL_STEPS  # its trial, and no second chance yet
     assert auto.choices["lookahead"] > TRIAL_STEPS
     assert stats.target_forwards < stats.tokens / 4
@@ -138,12 +140,12 @@ def test_the_faster_model_proposer_wins(engine):
 def test_temperature_has_its_own_figures_starting_below_greedy():
     store = PolicyStore(costs(0.1))
     greedy = store.engine_wide.setdefault("greedy", Book())
-    greedy.rate["eagle"] = Avg(2.0, 5)
+    greedy.tokens["eagle"], greedy.ms["eagle"] = Avg(4.0, 5), Avg(2.0, 5)  # 2 tokens per ms
     auto = AutoProposer(None, NgramProposer(), {}, store, calibrate=False)
     auto.begin(RequestInfo(prompt_ids=[1, 2, 3], temperature=0.8))
     assert auto.tclass == "high"
     assert auto._figure("rate", "eagle") == 2.0 * TEMPERATURE_PRIOR
-    auto.glob.rate["eagle"] = Avg(0.5, 4)  # measured at this temperature: that wins
+    auto.glob.tokens["eagle"], auto.glob.ms["eagle"] = Avg(1.0, 4), Avg(2.0, 4)  # its own
     assert auto._figure("rate", "eagle") == 0.5
     auto.begin(RequestInfo(prompt_ids=[1, 2, 3], temperature=0.0))
     assert auto._figure("rate", "eagle") == 2.0
