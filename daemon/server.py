@@ -159,6 +159,9 @@ class Server:
 
             cfg = self.config
             self.engine = await asyncio.to_thread(Engine, cfg.model, cfg.device, cfg.runner)
+        costs = getattr(self.engine, "costs", None)
+        if costs is not None and not costs.calibrated:  # the policy's cost table, before
+            await asyncio.to_thread(costs.calibrate, self.engine.runner)  # the first request
         self.index = self._load_index()
         self.locked = LockedIndex(self.index, self._index_lock)
         self.scheduler = Scheduler(

@@ -21,7 +21,7 @@ from typing import Any
 # Forward sizes (root + draft tokens) that have their own measurement; a size between
 # two of them is interpolated, one past the last is extrapolated linearly.
 SIZES = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128)
-CALIBRATE = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+CALIBRATE = (1, 2, 3, 4, 6, 8, 16, 32)
 
 
 def _bucket(n: int) -> int:
@@ -92,7 +92,7 @@ class ForwardCosts:
         """Cost of an ``n``-token forward in plain decode steps."""
         return self.at(n) / self.at(1)
 
-    def calibrate(self, runner: Any, sizes: tuple[int, ...] = CALIBRATE, reps: int = 3) -> None:
+    def calibrate(self, runner: Any, sizes: tuple[int, ...] = CALIBRATE, reps: int = 1) -> None:
         """Time forwards of ``sizes`` tokens on top of the runner's cache and cut them off
         again. Uses token id 0 everywhere (only the time matters)."""
         base = runner.length
