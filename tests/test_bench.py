@@ -46,3 +46,29 @@ def test_methods_bench_takes_several_workloads_and_a_temperature(tmp_path, capsy
     assert methods == {"off", "auto"}  # the greedy-only HF peer is left out when sampling
     kinds = {r["workload"] for r in result["rows"]}
     assert kinds == {"all", "completion", "novel"}
+
+
+def test_each_workload_keeps_its_own_index(tmp_path, capsys, monkeypatch):
+    """A workload's open documents feed only its own prompts: combining workloads in one
+    run must not hand the novel prompts another workload's index."""
+    from codespec.daemon.bench import methods
+
+    docs = [{"uri": "file:///pkg/a.py", "text": "def helper(x):\n    return x + 1\n"}]
+    with_docs = {"id": "c", "prompt": "import os\n", "max_tokens": 4, "documents": docs}
+    paths = []
+    for kind, item in (("completion", with_docs), ("novel", {"id": "n", "prompt": "x = 1\n"})):
+        path = tmp_path / f"{kind}.jsonl"
+        path.write_text(json.dumps(dict(item, kind=kind, max_tokens=4)))
+        paths.append(str(path))
+    seen: dict[str, object] = {}
+    real = methods.run_engine
+
+    def spy(engine, method, prompt, max_tokens, index, uri, *rest):
+        seen[engine.decode(prompt)] = index
+        return real(engine, method, prompt, max_tokens, index, uri, *rest)
+
+    monkeypatch.setattr(methods, "run_engine", spy)
+    assert dispatch([*paths, "--methods", "off,ngram"]) == 0
+    capsys.readouterr()
+    assert seen["import os\n"] is not None and "file:///pkg/a.py" in seen["import os\n"]
+    assert seen["x = 1\n"] is None

@@ -233,12 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         methods.insert(0, "off")
     if args.temperature > 0:
         methods = [m for m in methods if m not in PEERS]
-    items = [item for path in args.workload for item in load_workload(path)]
+    loaded = [load_workload(path) for path in args.workload]
+    items = [item for wl in loaded for item in wl]
+    which = [w for w, wl in enumerate(loaded) for _ in wl]  # each item's workload
     if args.limit:
-        items = items[: args.limit]
+        items, which = items[: args.limit], which[: args.limit]
     engine = Engine(args.model, device=args.device, runner=args.runner)
     peer = HFPeer(engine) if any(m in PEERS for m in methods) else None
-    index = _build_index(engine, items)
+    # one index per workload: a workload's open documents are not another one's
+    indexes = [_build_index(engine, wl) for wl in loaded]
 
     prompts = [
         build_prompt(engine, item, args.max_tokens, args.prediction, args.context) for item in items
@@ -250,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         if method in PEERS:
             assert peer is not None
             return peer.run(prompt, max_tokens, args.lookup if method == "hf-pld" else None)
+        index = indexes[which[n]]
         if index is not None and item.get("uri") in index:
             index.touch(item["uri"])
         name, _, cap = method.partition("@")
