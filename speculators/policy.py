@@ -68,6 +68,7 @@ TRIAL_STEPS = 4  # steps a model proposer stays in charge when tried
 FIRST_GAP, MAX_GAP = 32, 512  # steps before a losing model proposer is tried again
 NGRAM_TRUST = 0.8  # an n-gram draft worth this share of a plain step is still taken
 MARGIN = 0.05  # a model proposer takes over from a cheaper choice when this much faster
+FIRST_PAUSE, MAX_PAUSE = 2048, 65536  # steps a far loser is retired, doubling
 CLOSE = 0.9  # a loser within this share of the best is re-tried from FIRST_GAP on
 MAX_DOCS = 256
 ALPHA = 0.1  # weight of the newest observation in every moving average
@@ -142,6 +143,27 @@ class PolicyStore:
         self.docs: OrderedDict[tuple[str, str], Book] = OrderedDict()
         self.engine_wide: dict[str, Book] = {}
         self.available: dict[str, bool] = {}  # model proposer name -> can be built
+        self.steps = 0  # steps the policy has taken on this engine
+        # a model proposer far behind after a trial is not built (nor kept in step, which
+        # costs time every step) until this step, then tried once more; the pause doubles
+        self.retired: dict[str, int] = {}
+        self.pause: dict[str, int] = {}
+        self.returning: set[str] = set()
+
+    def usable(self, name: str) -> bool:
+        """Not retired; one whose retirement just ended is marked for a trial."""
+        until = self.retired.get(name)
+        if until is None:
+            return True
+        if self.steps < until:
+            return False
+        del self.retired[name]
+        self.returning.add(name)
+        return True
+
+    def retire(self, name: str) -> None:
+        pause = self.pause[name] = min(MAX_PAUSE, 2 * self.pause.get(name, FIRST_PAUSE // 2))
+        self.retired[name] = self.steps + pause
 
     def books(self, uri: str | None, tclass: str) -> tuple[Book, Book]:
         """(the document's book, the engine-wide book) for a temperature class."""
@@ -177,7 +199,11 @@ class _Child:
         self.name = name
         self.p = proposer
         self.taps = tuple(getattr(proposer, "taps", ()) or ())
-        self.rows = [taps.index(t) for t in self.taps]  # its taps within the policy's
+        rows = [taps.index(t) for t in self.taps]  # its taps within the policy's
+        # consecutive rows are a view (no copy per step), others an index
+        self.rows: slice | list[int] = rows
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            self.rows = slice(rows[0], rows[0] + len(rows))
         self.stale = False
         self.can_follow = hasattr(proposer, "follow")
 
@@ -244,6 +270,7 @@ class AutoProposer:
                 child.p.prefilled(child.hidden(hidden))
 
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
+        self.store.steps += 1
         now = time.perf_counter()
         self._close_step(now)
         self._t_step = now
@@ -302,12 +329,14 @@ class AutoProposer:
                 for book in _both(self.doc, self.glob):
                     book.accepted.setdefault(key, Mean()).add(ratio)
         for name, child in self.models.items():
-            if name == self.choice:
-                child.p.observe(replace(result, hidden=child.hidden(result.hidden)))
-            elif child.can_follow and not child.stale:
-                child.p.follow(replace(result, hidden=child.hidden(result.hidden)))  # type: ignore[attr-defined]
-            else:
+            if name != self.choice and (child.stale or not child.can_follow):
                 child.stale = True
+                continue
+            mine = replace(result, hidden=child.hidden(result.hidden)) if child.taps else result
+            if name == self.choice:
+                child.p.observe(mine)
+            else:
+                child.p.follow(mine)  # type: ignore[attr-defined]
         if self.choice in self.models:
             self._own += (time.perf_counter() - t0) * 1000
 
@@ -396,15 +425,20 @@ class AutoProposer:
         if best is not None:
             self.glob.gap[best] = FIRST_GAP
             return best
-        # nobody beats the incumbent: try one that has not been measured or whose gap is up
-        # (a close loser soon, one far behind only after the longest gap)
+        # nobody beats the incumbent: try one that has not been measured, is back from
+        # retirement, or whose gap is up; one far behind after its trial retires
         for name in MODELS:
             if name not in self.models:
                 continue
             rate = self._figure("rate", name)
+            if name in self.store.returning:
+                self.store.returning.discard(name)
+                rate = None  # a fresh trial
+            elif rate is not None and rate < CLOSE * best_value:
+                self.store.retire(name)
+                del self.models[name]  # no longer kept in step this request either
+                continue
             gap = self.glob.gap.get(name, FIRST_GAP)
-            if rate is not None and rate < CLOSE * best_value:
-                gap = self.glob.gap[name] = MAX_GAP
             if rate is None or self.glob.idle.get(name, 0) >= gap:
                 if rate is not None:
                     self.glob.gap[name] = min(MAX_GAP, gap * 2)
@@ -463,7 +497,7 @@ def make(
     models: dict[str, Proposer] = {}
     for name in MODELS:
         factory = factories.get(name)
-        if factory is None or store.available.get(name) is False:
+        if factory is None or store.available.get(name) is False or not store.usable(name):
             continue
         try:
             models[name] = factory(engine, index)

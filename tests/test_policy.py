@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from codespec.daemon.engine import GenParams
+from codespec.speculators import policy
 from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import RequestInfo
 from codespec.speculators.ngram import NgramProposer
 from codespec.speculators.policy import (
+    FIRST_PAUSE,
     TEMPERATURE_PRIOR,
     TRIAL_STEPS,
     AutoProposer,
@@ -164,9 +166,10 @@ def test_depth_buckets():
 
 
 @pytest.mark.parametrize("name", ["eagle", "lookahead", "medusa", "draft"])
-def test_model_proposers_follow_steps_they_did_not_draft(engine, name):
+def test_model_proposers_follow_steps_they_did_not_draft(engine, name, monkeypatch):
     """With n-gram steps in between, a model proposer is kept in step by ``follow`` (never
     restarted) and the output is still plain decoding's."""
+    monkeypatch.setattr(policy, "CLOSE", 0.0)  # never retired here, however slow it is
     prompt = engine.encode(REPEAT)
     child = FACTORIES[name](engine, None)
     auto = AutoProposer(engine, NgramProposer(min_gain=0.0), {name: child}, PolicyStore(costs(0.0)))
@@ -184,3 +187,29 @@ def test_model_proposers_follow_steps_they_did_not_draft(engine, name):
     assert restarts == []
     if name == "eagle":
         assert child.sync(prompt + ids)  # its cache + queued states end where the context does
+
+
+def test_a_far_loser_retires_and_comes_back_for_one_trial(engine):
+    """A model proposer far slower than plain decoding stops being built (no per-step cost)
+    until its retirement ends, then gets one fresh trial."""
+    prompt = heldout_prompts(engine, 1, tokens=120, seed=4)[0]
+    engine.reset_cache()
+    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=40)) for t in d.token_ids]
+    store = PolicyStore(ForwardCosts())
+    silent = NgramProposer(use_context=False)
+
+    def build() -> AutoProposer:
+        slow = Positional(oracle, "random", engine.runner.vocab_size, seed=2)
+        models = {"eagle": slow} if store.usable("eagle") else {}
+        return AutoProposer(engine, silent, models, store)
+
+    auto = build()
+    run(engine, prompt, auto)
+    assert auto.choices["eagle"] == TRIAL_STEPS  # tried once, then retired
+    assert "eagle" not in auto.models and not store.usable("eagle")
+    assert build().models == {}  # not built while retired
+    store.steps = store.retired["eagle"]  # the retirement is over
+    again = build()
+    run(engine, prompt, again)
+    assert again.choices["eagle"] == TRIAL_STEPS  # one fresh trial
+    assert store.pause["eagle"] == 2 * FIRST_PAUSE  # and a longer pause after it
