@@ -215,6 +215,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"tokens/s   {s['tokens_per_s']}")
     for src, a in s["proposers"].items():
         print(f"proposer   {src}: {a['accepted']}/{a['drafted']} accepted ({a['acceptance']:.0%})")
+    pol = s.get("policy") or {}
+    for tclass, c in (pol.get("classes") or {}).items():
+        rates = ", ".join(f"{n} {r:.2f}x" for n, r in c["vs_plain"].items()) or "none measured"
+        print(f"policy     {tclass}: plain step {c['plain_step_ms']} ms; vs plain: {rates}")
+    if pol.get("retired"):
+        print(f"policy     retired for now: {', '.join(pol['retired'])}")
     return 0
 
 

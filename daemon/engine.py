@@ -405,7 +405,9 @@ class Engine:
         while True:
             # Stop rules, in token order: end of text, max tokens, stop strings.
             finish = ""
-            for i, tok in enumerate(new_tokens):
+            used = 0  # this step's tokens that count (through the one that ends the request)
+            for tok in new_tokens:
+                used += 1
                 if tok in self.stop_ids:
                     finish = "stop"
                     break
@@ -414,7 +416,7 @@ class Engine:
                     finish = "length"
                     break
             if finish:  # a step's tokens past the stop that ended the request are not output
-                new_tokens = new_tokens[: i + 1]
+                new_tokens = new_tokens[:used]
             stats.tokens = len(out_ids) + (1 if finish == "stop" else 0)
             text, hit = detok.update(out_ids, final=bool(finish))
             if hit:

@@ -58,6 +58,7 @@ from codespec.daemon.protocol import (
 from codespec.daemon.scheduler import Job, JobResult, LockedIndex, Scheduler
 from codespec.daemon.workspace import Workspace
 from codespec.ngram_index.positions import PositionError
+from codespec.speculators.policy import summary as policy_summary
 from codespec.speculators.registry import names as proposer_names
 
 log = logging.getLogger("codespec.daemon")
@@ -546,6 +547,7 @@ class Server:
             "workspace": self.workspace.stats(),
             "requests": {k: v for k, v in req.items() if k != "proposers"},
             "proposers": req["proposers"],
+            "policy": policy_summary(e),
             "tokens_per_s": req["tokens_per_s"],
         }
 

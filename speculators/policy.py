@@ -60,7 +60,7 @@ from typing import Any
 from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 
-__all__ = ["AutoProposer", "PolicyStore", "make", "temperature_class"]
+__all__ = ["AutoProposer", "PolicyStore", "make", "summary", "temperature_class"]
 
 MODELS = ("eagle", "medusa", "draft", "lookahead")  # tried in this order when unmeasured
 TEMPERATURE_PRIOR = 0.75  # a sampled class's first estimate: greedy's, times this
@@ -182,6 +182,36 @@ class PolicyStore:
 
 
 _STORES: weakref.WeakKeyDictionary[Any, PolicyStore] = weakref.WeakKeyDictionary()
+
+
+def summary(engine: Any) -> dict[str, Any]:
+    """What the policy has measured on ``engine`` (engine-wide), for ``stats``: forward ms by
+    size, and per temperature class the plain step's ms, each model proposer's tokens per ms
+    against plain decoding's, the n-gram accepted share per match bucket, and the retired."""
+    store = _STORES.get(engine)
+    costs = getattr(engine, "costs", None)
+    out: dict[str, Any] = {"forward_ms": costs.as_dict() if costs is not None else {}}
+    if store is None:
+        return out
+    classes: dict[str, Any] = {}
+    for tclass, book in store.engine_wide.items():
+        plain = 1.0 / book.plain_ms.value if book.plain_ms.n and book.plain_ms.value else None
+        rates = {n: _rate(book, n, 1) for n in book.tokens}
+        classes[tclass] = {
+            "plain_step_ms": round(book.plain_ms.value, 3) if book.plain_ms.n else None,
+            "vs_plain": {
+                n: round(r / plain, 3) for n, r in rates.items() if r is not None and plain
+            },
+            "ngram_share": {
+                str(m): round(mean.estimate(ACCEPT_PRIOR), 3)
+                for (src, m), mean in sorted(book.accepted.items())
+                if src == "ngram"
+            },
+        }
+    out["classes"] = classes
+    out["retired"] = sorted(n for n, until in store.retired.items() if until > store.steps)
+    out["steps"] = store.steps
+    return out
 
 
 def store_for(engine: Any) -> PolicyStore:

@@ -107,6 +107,18 @@ def test_stats_shape(client):
     assert {"in_flight", "served", "cancelled"} <= set(s["requests"])
 
 
+def test_stats_report_what_the_policy_measured(client):
+    client.request(
+        "generate", {"prompt": "def area(w, h):\n    return w * h\n\n\ndef area(", "max_tokens": 24}
+    )
+    pol = client.request("stats")["policy"]
+    assert pol["forward_ms"]["1"] > 0  # the cost table, calibrated and updated per forward
+    greedy = pol["classes"]["greedy"]
+    assert greedy["plain_step_ms"] is None or greedy["plain_step_ms"] > 0
+    assert set(greedy["vs_plain"]) <= {"eagle", "medusa", "draft", "lookahead"}
+    assert isinstance(pol["retired"], list) and pol["steps"] > 0
+
+
 def test_cancel_unknown_id(client):
     assert client.request("cancel", {"id": 987654}) == {"id": 987654, "cancelled": False}
 
