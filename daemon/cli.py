@@ -218,7 +218,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     pol = s.get("policy") or {}
     for tclass, c in (pol.get("classes") or {}).items():
         rates = ", ".join(f"{n} {r:.2f}x" for n, r in c["vs_plain"].items()) or "none measured"
-        print(f"policy     {tclass}: plain step {c['plain_step_ms']} ms; vs plain: {rates}")
+        step = c["plain_step_ms"]
+        plain = f"plain step {step} ms" if step else "plain steps not measured yet"
+        print(f"policy     {tclass}: {plain}; speed vs plain: {rates}")
     if pol.get("retired"):
         print(f"policy     retired for now: {', '.join(pol['retired'])}")
     return 0

@@ -195,7 +195,9 @@ def summary(engine: Any) -> dict[str, Any]:
         return out
     classes: dict[str, Any] = {}
     for tclass, book in store.engine_wide.items():
-        plain = 1.0 / book.plain_ms.value if book.plain_ms.n and book.plain_ms.value else None
+        # plain decoding's speed as the policy sees it: measured steps, else the forward alone
+        plain_ms = book.plain_ms.value if book.plain_ms.n else (costs.at(1) if costs else 0.0)
+        plain = 1.0 / plain_ms if plain_ms else None
         rates = {n: _rate(book, n, 1) for n in book.tokens}
         classes[tclass] = {
             "plain_step_ms": round(book.plain_ms.value, 3) if book.plain_ms.n else None,
