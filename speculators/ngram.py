@@ -281,6 +281,12 @@ class NgramProposer:
             self.stats.drafted_by_source[src] = self.stats.drafted_by_source.get(src, 0) + 1
         return draft
 
+    def declined(self) -> None:
+        """The speculation policy judged the last draft not worth its verify cost: back off
+        as after a failed draft (skip 1, 2, 4, ... steps), keeping the draft length."""
+        self._skip = self._backoff
+        self._backoff = min(self.max_backoff, self._backoff * 2)
+
     def observe(self, result: StepResult) -> None:
         draft = result.draft
         if draft is None or len(draft) == 0:

@@ -325,6 +325,8 @@ class AutoProposer:
             # measured figures say the draft is clearly a loss
             if value >= NGRAM_TRUST * best_value:
                 best, best_value = "ngram", max(value, best_value)
+            elif hasattr(self.ngram.p, "declined"):  # it backs off: no lookups for a while
+                self.ngram.p.declined()
         model = self._pick_model(best_value) if best == "plain" else None
         if model is not None:
             best = model
@@ -430,16 +432,19 @@ class AutoProposer:
         measured for that match bucket (the document's decayed mean, else the engine's),
         pulled towards an even chance (a source that is never chosen never learns; the
         n-gram proposer's own back-off catches the drafts that keep failing). A sampled
-        temperature class with nothing measured starts from greedy's, discounted."""
+        temperature class expects less: its prior is discounted by TEMPERATURE_PRIOR, and
+        with nothing measured it starts from greedy's figure, discounted."""
         key = (source, match)
+        sampled = self.tclass != "greedy"
+        prior = ACCEPT_PRIOR * (TEMPERATURE_PRIOR if sampled else 1.0)
         for book in (self.doc, self.glob):
             mean = book.accepted.get(key)
             if mean is not None and mean.weight >= (MIN_SAMPLES if book is self.doc else 1):
-                return depth * mean.estimate(ACCEPT_PRIOR)
+                return depth * mean.estimate(prior)
         greedy = self.store.engine_wide.get("greedy")
-        if self.tclass != "greedy" and greedy is not None and key in greedy.accepted:
+        if sampled and greedy is not None and key in greedy.accepted:
             return depth * greedy.accepted[key].estimate(ACCEPT_PRIOR) * TEMPERATURE_PRIOR
-        return depth * ACCEPT_PRIOR
+        return depth * prior
 
     def _pick_model(self, best_value: float) -> str | None:
         """The model proposer to put in charge this step, or None (best_value stands)."""

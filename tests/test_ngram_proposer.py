@@ -175,3 +175,20 @@ def test_last_match_reports_the_longest_match_behind_the_draft():
     assert p.propose([1, 2, 3, 9, 2, 3], 8) is not None
     assert p.last_match == 2
     assert p.propose([50, 51, 52], 8) is None and p.last_match == 0
+
+
+def test_a_declined_draft_backs_the_proposer_off():
+    from codespec.speculators.draft import RequestInfo
+    from codespec.speculators.ngram import NgramProposer
+
+    seq = list(range(100, 120))
+    ctx = seq + seq[:10]
+    p = NgramProposer(max_n=8)
+    p.begin(RequestInfo(prompt_ids=ctx))
+    assert p.propose(ctx, 8) is not None
+    p.declined()  # the policy did not verify it
+    assert p.propose(ctx, 8) is None  # one step without drafting (no lookups)
+    assert p.propose(ctx, 8) is not None
+    p.declined()
+    p.declined()  # declined again: the pause doubles
+    assert [p.propose(ctx, 8) for _ in range(4)][:4].count(None) == 4
