@@ -18,7 +18,8 @@ Each step:
    forward time for ``n`` tokens (:class:`~codespec.speculators.costs.ForwardCosts`)
    and ``overhead`` the measured rest of a plain step. A plain step is worth
    ``1 / (cost(1) + overhead)``. The draft is taken unless it is worth less
-   than :data:`NGRAM_TRUST` of a plain step.
+   than :data:`NGRAM_TRUST` of a plain step; then the n-gram proposer is told
+   (``declined``) and backs off for 1, 2, 4, ... steps, sparing its lookups.
 2. Otherwise each model proposer the engine's model has (EAGLE when a head is
    loaded, Medusa heads, a draft model, and lookahead, which needs nothing) is
    valued at its realised tokens per ms over the steps it was in charge (mean
@@ -27,10 +28,12 @@ Each step:
    :data:`MARGIN`. A model proposer that finds drafting does not pay proposes
    nothing itself, and its realised rate then is a plain step's minus its cost.
 3. Otherwise, a plain step, except that a model proposer nobody has measured
-   yet, or whose gap is up, is tried for :data:`TRIAL_STEPS` steps. The gap
-   doubles each time it loses (up to 512 steps; one far behind, under
-   :data:`CLOSE` of the best, waits the longest gap at once), so a change in
-   the code being written is still noticed.
+   yet, or whose gap is up, is tried for :data:`TRIAL_STEPS` steps. A close
+   loser (within :data:`CLOSE` of the best) is tried again after a gap that
+   doubles (up to :data:`MAX_GAP` steps); one far behind retires: it is not
+   built, nor kept in step (which costs time every step), for a pause that
+   doubles from :data:`FIRST_PAUSE` steps, then gets one fresh trial. So a
+   change in the code being written is still noticed.
 
 Temperature: statistics are kept apart for greedy, low (<= 0.5) and high
 temperatures. Rejection sampling accepts less than greedy matching, so a class
