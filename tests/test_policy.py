@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -41,6 +43,15 @@ class Positional(ScriptedProposer):
 
     def follow(self, result) -> None:
         pass
+
+
+class Slow(Positional):
+    """Drafts that also take 50 ms to make: far behind plain decoding however busy the
+    machine is."""
+
+    def propose(self, context, budget):
+        time.sleep(0.05)
+        return super().propose(context, budget)
 
 
 def costs(per_token: float) -> ForwardCosts:
@@ -126,7 +137,7 @@ def test_the_faster_model_proposer_wins(engine):
     engine.reset_cache()
     oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=200)) for t in d.token_ids]
     good = Positional(oracle, "correct", engine.runner.vocab_size)
-    bad = Positional(oracle, "random", engine.runner.vocab_size, seed=1)
+    bad = Slow(oracle, "random", engine.runner.vocab_size, seed=1)
     store = PolicyStore(ForwardCosts())  # measured: calibrated when the request begins
     models = {"eagle": bad, "lookahead": good}
     silent = NgramProposer(use_context=False)  # no index either: it never drafts
@@ -199,7 +210,7 @@ def test_a_far_loser_retires_and_comes_back_for_one_trial(engine):
     silent = NgramProposer(use_context=False)
 
     def build() -> AutoProposer:
-        slow = Positional(oracle, "random", engine.runner.vocab_size, seed=2)
+        slow = Slow(oracle, "random", engine.runner.vocab_size, seed=2)
         models = {"eagle": slow} if store.usable("eagle") else {}
         return AutoProposer(engine, silent, models, store)
 
