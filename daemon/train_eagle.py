@@ -6,7 +6,8 @@ the draft vocabulary (the most frequent tokens of that code), the training
 loop (the target runs in fp32 without gradients over each batch to give the
 taps and its distribution on the fly; training-time test unrolls several draft
 steps feeding the head its own predictions, step losses decayed; seeded,
-resumable, with a progress bar and a wall-clock budget), the held-out report
+resumable, with a progress bar and a wall-clock budget: ``run_training``, which
+the Medusa trainer shares), the held-out report
 (teacher-forced per-step accuracy on stdlib ``test/`` windows, then real
 per-position acceptance when decoding held-out prompts through the engine) and
 the export in vLLM's ``speculators`` EAGLE-3 layout.
@@ -31,6 +32,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -342,6 +344,99 @@ def build_head(target: Target, cfg: EagleTrainConfig, tok: Any, texts: list[str]
     return head, coverage
 
 
+def sample_builder(tok: Any, texts: list[str], cfg: Any) -> Any:
+    """Training rows: FIM / left-to-right samples when the tokenizer has the FIM tokens,
+    plain windows otherwise (``cfg`` gives ``seq_len``, ``seed``, ``fim_rate``)."""
+    tcfg = TrainConfig(seq_len=cfg.seq_len, seed=cfg.seed, fim_rate=cfg.fim_rate)
+    has_fim = all(tok.token_to_id(s) is not None for s in SPECIAL_TOKENS)
+    return SampleBuilder(tok, texts, tcfg) if has_fim else WindowBuilder(tok, texts, tcfg)
+
+
+def run_training(
+    module: torch.nn.Module,
+    cfg: Any,
+    out: Path,
+    resume: bool,
+    key: str,
+    desc: str,
+    tok: Any,
+    texts: list[str],
+    step_fn: Callable[[torch.Tensor], tuple[torch.Tensor, list[float]]],
+) -> tuple[int, list[float], float]:
+    """The loop the draft-head trainers share: AdamW over ``module``'s trainable parameters,
+    resume from ``out/checkpoint.pt`` (the module's state under ``key``), the config written
+    beside it, seeded rows, the wall-clock budget ``cfg.minutes``, the learning-rate schedule,
+    clipped steps, a progress bar and checkpoints. ``step_fn(rows)`` returns the loss and
+    accuracies to show. Returns (steps done, losses, minutes trained)."""
+    from tqdm import tqdm
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    start, elapsed = 0, 0.0
+    ckpt = out / "checkpoint.pt"
+    if resume and ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if state.get("config") != asdict(cfg):
+            print("note: resuming with a different configuration", flush=True)
+        module.load_state_dict(state[key])
+        opt.load_state_dict(state["optim"])
+        start, elapsed = int(state["step"]), float(state["elapsed"])
+        print(f"resumed at step {start} ({elapsed / 60:.1f} min trained)", flush=True)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    builder = sample_builder(tok, texts, cfg)
+
+    def checkpoint(step: int) -> None:
+        tmp = ckpt.with_suffix(".tmp")
+        state = {
+            key: module.state_dict(),
+            "optim": opt.state_dict(),
+            "step": step,
+            "elapsed": time.time() - t0,
+            "config": asdict(cfg),
+        }
+        torch.save(state, tmp)
+        os.replace(tmp, ckpt)
+
+    module.train()
+    budget_s = cfg.minutes * 60
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=desc, unit="step")
+    t0 = time.time() - elapsed
+    step = start
+    losses: list[float] = []
+    for step in bar:
+        elapsed = time.time() - t0
+        if budget_s and elapsed >= budget_s:
+            print(f"\nwall-clock budget reached after {step} steps", flush=True)
+            break
+        progress = max(step / cfg.steps, elapsed / budget_s if budget_s else 0.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(progress, step, cfg)
+        x = torch.tensor([builder.row(step, i) for i in range(cfg.batch_size)])
+        loss, accs = step_fn(x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
+        if (step + 1) % cfg.checkpoint_every == 0:
+            checkpoint(step + 1)
+    else:
+        step = cfg.steps
+    bar.close()
+    minutes = (time.time() - t0) / 60
+    checkpoint(step)
+    return step, losses, minutes
+
+
+def _eagle_step(
+    head: EagleHead, target: Target, x: torch.Tensor, cfg: EagleTrainConfig
+) -> tuple[torch.Tensor, list[float]]:
+    taps, logits = target.run(x, head.cfg.taps)
+    loss, accs = ttt_loss(head, taps, logits, x, cfg)
+    return loss, accs[:4]
+
+
 def train(
     cfg: EagleTrainConfig,
     model: str | None,
@@ -349,8 +444,6 @@ def train(
     resume: bool,
     name: str | None = None,
 ) -> int:
-    from tqdm import tqdm
-
     from codespec.daemon.engine import resolve_model_path
 
     if cfg.threads:
@@ -369,51 +462,17 @@ def train(
         f"{len(texts)} training files",
         flush=True,
     )
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    start, elapsed = 0, 0.0
-    ckpt = out / "checkpoint.pt"
-    if resume and ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if state.get("config") != asdict(cfg):
-            print("note: resuming with a different configuration", flush=True)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["optim"])
-        start, elapsed = int(state["step"]), float(state["elapsed"])
-        print(f"resumed at step {start} ({elapsed / 60:.1f} min trained)", flush=True)
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    tcfg = TrainConfig(seq_len=cfg.seq_len, seed=cfg.seed, fim_rate=cfg.fim_rate)
-    has_fim = all(tok.token_to_id(s) is not None for s in SPECIAL_TOKENS)
-    builder = SampleBuilder(tok, texts, tcfg) if has_fim else WindowBuilder(tok, texts, tcfg)
-    head.train()
-    budget_s = cfg.minutes * 60
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="eagle", unit="step")
-    t0 = time.time() - elapsed
-    step = start
-    losses: list[float] = []
-    for step in bar:
-        elapsed = time.time() - t0
-        if budget_s and elapsed >= budget_s:
-            print(f"\nwall-clock budget reached after {step} steps", flush=True)
-            break
-        progress = max(step / cfg.steps, elapsed / budget_s if budget_s else 0.0)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(progress, step, cfg)
-        x = torch.tensor([builder.row(step, i) for i in range(cfg.batch_size)])
-        taps, logits = target.run(x, head.cfg.taps)
-        loss, accs = ttt_loss(head, taps, logits, x, cfg)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in accs[:4]))
-        if (step + 1) % cfg.checkpoint_every == 0:
-            _checkpoint(ckpt, head, opt, step + 1, time.time() - t0, cfg)
-    else:
-        step = cfg.steps
-    bar.close()
-    _checkpoint(ckpt, head, opt, step, time.time() - t0, cfg)
+    step, losses, minutes = run_training(
+        head,
+        cfg,
+        out,
+        resume,
+        "head",
+        "eagle",
+        tok,
+        texts,
+        lambda x: _eagle_step(head, target, x, cfg),
+    )
     save_head(head, out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.name != "checkpoint.pt")
     print(f"saved the head to {out} ({size / 1e6:.1f} MB, speculators EAGLE-3 layout)", flush=True)
@@ -445,7 +504,7 @@ def train(
         )
     metrics = {
         "steps": step,
-        "minutes": round((time.time() - t0) / 60, 2),
+        "minutes": round(minutes, 2),
         "train_tokens": step * cfg.batch_size * cfg.seq_len,
         "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
         "first_loss": round(sum(losses[:5]) / max(1, len(losses[:5])), 4) if losses else None,
@@ -459,21 +518,6 @@ def train(
     (out / "training.json").write_text(json.dumps(metrics, indent=2))
     print(json.dumps({k: metrics[k] for k in metrics if k not in ("head", "train_config")}))
     return 0
-
-
-def _checkpoint(path: Path, head: EagleHead, opt, step: int, elapsed: float, cfg) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "head": head.state_dict(),
-            "optim": opt.state_dict(),
-            "step": step,
-            "elapsed": elapsed,
-            "config": asdict(cfg),
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:

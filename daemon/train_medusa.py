@@ -1,15 +1,16 @@
 """`codespec train-medusa`: train Medusa heads on a model's own last hidden states.
 
-Owns: the heads' training loop (the frozen target runs in fp32 without
-gradients over each batch to give its last-layer states and its distribution on
-the fly; seeded, resumable, with a progress bar and a wall-clock budget), the
+Owns: the heads' loss and training step (the frozen target runs in fp32
+without gradients over each batch to give its last-layer states and its
+distribution on the fly), the
 held-out report (teacher-forced per-head top-1 accuracy on stdlib ``test/``
 windows, then real tree acceptance when decoding held-out prompts through the
 engine) and the export (``medusa.save_heads``).
 
-Reuses by import from ``train_eagle``: ``Target``, ``WindowBuilder``,
-``load_texts``, ``load_tokenizer``, ``draft_vocabulary``, ``lr_at``; from
-``train_model`` the FIM sample builder and the held-out windows.
+Reuses by import from ``train_eagle``: ``Target``, ``load_texts``,
+``load_tokenizer``, ``draft_vocabulary`` and ``run_training`` (the shared loop:
+seeded rows, resume, wall-clock budget, learning-rate schedule, progress bar,
+checkpoints); from ``train_model`` the held-out windows.
 
 Must not touch: the target model's weights (frozen, never written), the
 engine's decode loop, the daemon, the EAGLE trainer.
@@ -24,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,16 +35,12 @@ import torch
 
 from codespec.daemon.train_eagle import (
     Target,
-    WindowBuilder,
     draft_vocabulary,
     load_texts,
     load_tokenizer,
-    lr_at,
+    run_training,
 )
 from codespec.daemon.train_model import (
-    SPECIAL_TOKENS,
-    SampleBuilder,
-    TrainConfig,
     collect_sources,
     heldout_windows,
     read_texts,
@@ -209,8 +204,6 @@ def train(
     resume: bool,
     name: str | None = None,
 ) -> int:
-    from tqdm import tqdm
-
     from codespec.daemon.engine import resolve_model_path
 
     if cfg.threads:
@@ -230,52 +223,17 @@ def train(
         f"{len(texts)} training files",
         flush=True,
     )
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    start, elapsed = 0, 0.0
-    ckpt = out / "checkpoint.pt"
-    if resume and ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if state.get("config") != asdict(cfg):
-            print("note: resuming with a different configuration", flush=True)
-        heads.load_state_dict(state["heads"])
-        opt.load_state_dict(state["optim"])
-        start, elapsed = int(state["step"]), float(state["elapsed"])
-        print(f"resumed at step {start} ({elapsed / 60:.1f} min trained)", flush=True)
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    tcfg = TrainConfig(seq_len=cfg.seq_len, seed=cfg.seed, fim_rate=cfg.fim_rate)
-    has_fim = all(tok.token_to_id(s) is not None for s in SPECIAL_TOKENS)
-    builder = SampleBuilder(tok, texts, tcfg) if has_fim else WindowBuilder(tok, texts, tcfg)
-    heads.train()
-    budget_s = cfg.minutes * 60
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="medusa", unit="step")
-    t0 = time.time() - elapsed
-    step = start
-    losses: list[float] = []
-    for step in bar:
-        elapsed = time.time() - t0
-        if budget_s and elapsed >= budget_s:
-            print(f"\nwall-clock budget reached after {step} steps", flush=True)
-            break
-        progress = max(step / cfg.steps, elapsed / budget_s if budget_s else 0.0)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(progress, step, cfg)  # type: ignore[arg-type]
-        x = torch.tensor([builder.row(step, i) for i in range(cfg.batch_size)])
-        taps, logits = target.run(x, (heads.cfg.tap,))
-        loss, accs = medusa_loss(heads, taps[:, :, 0], logits, cfg.decay)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
-        if (step + 1) % cfg.checkpoint_every == 0:
-            _checkpoint(ckpt, heads, opt, step + 1, time.time() - t0, cfg)
-    else:
-        step = cfg.steps
-    bar.close()
-    train_minutes = (time.time() - t0) / 60
-    _checkpoint(ckpt, heads, opt, step, time.time() - t0, cfg)
+    step, losses, train_minutes = run_training(
+        heads,
+        cfg,
+        out,
+        resume,
+        "heads",
+        "medusa",
+        tok,
+        texts,
+        lambda x: _medusa_step(heads, target, x, cfg),
+    )
     save_heads(heads, out)
     size = sum(
         f.stat().st_size for f in out.iterdir() if f.name in ("config.json", "model.safetensors")
@@ -320,21 +278,11 @@ def train(
     return 0
 
 
-def _checkpoint(
-    path: Path, heads: MedusaHeads, opt: Any, step: int, elapsed: float, cfg: MedusaTrainConfig
-) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "heads": heads.state_dict(),
-            "optim": opt.state_dict(),
-            "step": step,
-            "elapsed": elapsed,
-            "config": asdict(cfg),
-        },
-        tmp,
-    )
-    os.replace(tmp, path)
+def _medusa_step(
+    heads: MedusaHeads, target: Target, x: torch.Tensor, cfg: MedusaTrainConfig
+) -> tuple[torch.Tensor, list[float]]:
+    taps, logits = target.run(x, (heads.cfg.tap,))
+    return medusa_loss(heads, taps[:, :, 0], logits, cfg.decay)
 
 
 def main(argv: list[str] | None = None) -> int:
