@@ -84,18 +84,10 @@ class Acc:
 
 
 def run_one(engine, prompt: list[int], max_tokens: int, proposer) -> tuple[list[int], Any, float]:
+    from codespec.daemon.bench.methods import decode_once
     from codespec.daemon.engine import GenParams
 
-    engine.reset_cache()
-    ids: list[int] = []
-    stats = None
-    t0 = time.perf_counter()
-    for delta in engine.stream(prompt, GenParams(max_tokens=max_tokens), proposer):
-        ids.extend(delta.token_ids)
-        stats = delta.stats
-    ms = (time.perf_counter() - t0) * 1000
-    assert stats is not None
-    return [t for t in ids if t not in engine.stop_ids][:max_tokens], stats, ms
+    return decode_once(engine, prompt, GenParams(max_tokens=max_tokens), proposer)
 
 
 def measure_costs(engine, runtime, context: int, sizes: list[int], reps: int) -> dict[str, Any]:

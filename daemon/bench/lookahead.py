@@ -29,7 +29,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from dataclasses import dataclass, field
 from datetime import date
 from typing import Any
@@ -93,25 +92,12 @@ def config(name: str) -> dict[str, Any]:
 def run_one(
     engine, prompt: list[int], max_tokens: int, proposer, uri
 ) -> tuple[list[int], Any, float]:
+    from codespec.daemon.bench.methods import decode_once
     from codespec.daemon.engine import GenParams
     from codespec.speculators.draft import RequestInfo
 
-    engine.reset_cache()
     info = RequestInfo(prompt_ids=list(prompt), uri=uri, max_tokens=max_tokens)
-    ids: list[int] = []
-    stats = None
-    t0 = time.perf_counter()
-    for delta in engine.stream(prompt, GenParams(max_tokens=max_tokens), proposer, info):
-        ids.extend(delta.token_ids)
-        stats = delta.stats
-    ms = (time.perf_counter() - t0) * 1000
-    assert stats is not None
-    # A step's token_ids may run past the stop token that ended the request: cut there.
-    for i, t in enumerate(ids):
-        if t in engine.stop_ids:
-            ids = ids[:i]
-            break
-    return ids[:max_tokens], stats, ms
+    return decode_once(engine, prompt, GenParams(max_tokens=max_tokens), proposer, info)
 
 
 def main(argv: list[str] | None = None) -> int:

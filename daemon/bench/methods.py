@@ -143,6 +143,23 @@ class _FirstTokenTimer:
         pass
 
 
+def decode_once(
+    engine, prompt: list[int], params, proposer=None, info=None
+) -> tuple[list[int], Any, float]:
+    """One timed decode from an empty KV cache: (output ids, stop tokens left out; the final
+    stats; wall ms). Every benchmark that compares methods runs its prompts through this."""
+    engine.reset_cache()
+    ids: list[int] = []
+    stats = None
+    t0 = time.perf_counter()
+    for delta in engine.stream(prompt, params, proposer, info):
+        ids.extend(delta.token_ids)
+        stats = delta.stats
+    ms = (time.perf_counter() - t0) * 1000
+    assert stats is not None
+    return [t for t in ids if t not in engine.stop_ids][: params.max_tokens], stats, ms
+
+
 def run_engine(
     engine,
     method: str,
@@ -159,7 +176,6 @@ def run_engine(
     from codespec.speculators.draft import RequestInfo
     from codespec.speculators.registry import make_proposer
 
-    engine.reset_cache()
     proposer = make_proposer(method, engine, index)
     info = RequestInfo(
         prompt_ids=prompt,
@@ -168,18 +184,10 @@ def run_engine(
         kind="edit" if draft_ids else "generate",
         draft_text_ids=draft_ids,
     )
-    ids: list[int] = []
-    stats = None
-    t0 = time.perf_counter()
     params = GenParams(
         max_tokens=max_tokens, max_draft=max_draft, temperature=temperature, seed=seed
     )
-    for delta in engine.stream(prompt, params, proposer, info):
-        ids.extend(delta.token_ids)
-        stats = delta.stats
-    ms = (time.perf_counter() - t0) * 1000
-    assert stats is not None
-    ids = [t for t in ids if t not in engine.stop_ids][:max_tokens]
+    ids, stats, ms = decode_once(engine, prompt, params, proposer, info)
     return Run(stats.tokens, stats.target_forwards, ms, ids, stats.ttft_ms)
 
 
