@@ -259,7 +259,37 @@ class _Layer(nn.Module):
         self.mlp = _Mlp(cfg)
 
 
-class EagleHead(nn.Module):
+class DraftVocab(nn.Module):
+    """A head's reduced draft vocabulary and its maps to the full one, in the speculators
+    layout: ``d2t`` (draft id + offset = target id) and ``t2d`` (a mask over target ids).
+    For modules whose ``cfg`` has ``draft_vocab_size`` and ``vocab_size``."""
+
+    cfg: Any
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
+    def init_draft_vocab(self) -> None:
+        """Register the maps, the first ``draft_vocab_size`` ids to start with."""
+        self.register_buffer("d2t", torch.zeros(self.cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(self.cfg.vocab_size, dtype=torch.bool))
+        self.set_draft_vocab(torch.arange(self.cfg.draft_vocab_size))
+
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Draft id ``i`` ↦ target id ``target_ids[i]`` (sorted ascending, distinct)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
+        if ids.numel() != self.cfg.draft_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError("the draft vocabulary needs draft_vocab_size distinct ids")
+        ids = ids.sort().values
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_to_target(self) -> torch.Tensor:
+        """``(draft_vocab_size,)`` target id of each draft id."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+
+class EagleHead(DraftVocab):
     """The trainable head. ``embed`` is the target's token embedding ``(V, h)``, frozen.
 
     State-dict names are the ``speculators`` names (``fc.weight``, ``layers.0.*``,
@@ -280,29 +310,13 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([_Layer(cfg)])
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.init_draft_vocab()
         self.register_buffer("embed", embed.detach().float().clone(), persistent=False)
         cos, sin = rope_tables(cfg.max_position_embeddings + 64, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
 
     # -- vocabulary ----------------------------------------------------------------------
-
-    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Draft id ``i`` ↦ target id ``target_ids[i]`` (sorted ascending, distinct)."""
-        ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
-        if ids.numel() != self.cfg.draft_vocab_size or ids.unique().numel() != ids.numel():
-            raise ValueError("the draft vocabulary needs draft_vocab_size distinct ids")
-        ids = ids.sort().values
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    def draft_to_target(self) -> torch.Tensor:
-        """``(draft_vocab_size,)`` target id of each draft id."""
-        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def init_lm_head_from(self, weight: torch.Tensor) -> None:
         """Start ``lm_head`` from the target's LM head rows of the draft vocabulary."""

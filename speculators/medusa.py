@@ -70,6 +70,7 @@ from torch import nn
 
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 from codespec.speculators.eagle import AcceptanceStats, StepCost
+from codespec.speculators.eagle_head import DraftVocab
 
 __all__ = [
     "MedusaConfig",
@@ -133,7 +134,7 @@ class MedusaConfig:
         return cls(**fields)
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocab):
     """The trainable heads. State-dict names: ``norm.weight``, ``blocks.{i}.{weight,bias}``,
     ``lm_heads`` ``(k, V_draft, h)``, ``d2t`` (int64) and ``t2d`` (bool)."""
 
@@ -147,23 +148,7 @@ class MedusaHeads(nn.Module):
             nn.init.zeros_(b.weight)
             nn.init.zeros_(b.bias)
         self.lm_heads = nn.Parameter(torch.randn(k, cfg.draft_vocab_size, h) * h**-0.5)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
-
-    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Draft id ``i`` ↦ target id ``target_ids[i]`` (sorted ascending, distinct)."""
-        ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
-        if ids.numel() != self.cfg.draft_vocab_size or ids.unique().numel() != ids.numel():
-            raise ValueError("the draft vocabulary needs draft_vocab_size distinct ids")
-        ids = ids.sort().values
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-
-    def draft_to_target(self) -> torch.Tensor:
-        """``(draft_vocab_size,)`` target id of each draft id."""
-        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+        self.init_draft_vocab()
 
     def init_from_target(self, norm: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Start the norm from the target's final norm and every ``lm_i`` from its LM head."""
