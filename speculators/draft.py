@@ -64,6 +64,19 @@ class Draft:
         assert self.parents is not None
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    @property
+    def depth(self) -> int:
+        """Nodes on the longest root-to-leaf path (0 for an empty draft).
+
+        >>> Draft([5, 6, 7, 8], [-1, 0, 1, 0]).depth
+        3
+        """
+        assert self.parents is not None
+        levels: list[int] = []
+        for p in self.parents:
+            levels.append(1 if p < 0 else levels[p] + 1)
+        return max(levels, default=0)
+
     def children(self) -> dict[int, list[int]]:
         """Map node index (-1 = root) to its children, in draft order."""
         out: dict[int, list[int]] = {}

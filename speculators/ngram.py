@@ -296,7 +296,7 @@ class NgramProposer:
         for node in result.accepted:
             src = draft.source(node)
             self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
-        if accepted >= _depth_of(draft):
+        if accepted >= draft.depth:
             self.draft_len = min(self.max_len, self.draft_len * 2)
         elif accepted == 0:
             self.draft_len = max(self.min_len, self.draft_len // 2)
@@ -305,18 +305,9 @@ class NgramProposer:
         # tokens. Below that, skip drafting for 1, 2, 4, ... steps, each run ended by a
         # probing draft; a probe accepted whole resets the back-off.
         self._gain = accepted if self._gain is None else 0.7 * self._gain + 0.3 * accepted
-        full = accepted >= _depth_of(draft)
+        full = accepted >= draft.depth
         if self._gain < self.min_gain and not full:
             self._skip = self._backoff
             self._backoff = min(self.max_backoff, self._backoff * 2)
         else:
             self._backoff = 1
-
-
-def _depth_of(draft: Draft) -> int:
-    """Nodes on the longest root-to-leaf path."""
-    assert draft.parents is not None
-    depth: list[int] = []
-    for p in draft.parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)

@@ -322,7 +322,8 @@ class AutoProposer:
         best, best_value = "plain", 1.0 / (self.costs.at(1) + overhead)
         if ng is not None and len(ng):
             self._match = match_bucket(int(getattr(self.ngram.p, "last_match", 0)))
-            exp = self._expected("ngram", _depth(ng), self._match)
+            self._draft_depth = ng.depth
+            exp = self._expected("ngram", self._draft_depth, self._match)
             value = (1.0 + exp) / (self.costs.at(1 + len(ng)) + overhead + self._own_ms("ngram"))
             # the n-gram proposer's own lengths and back-off have the last word, unless the
             # measured figures say the draft is clearly a loss
@@ -341,7 +342,6 @@ class AutoProposer:
         if best == "ngram":
             self._own = ng_ms
             assert ng is not None
-            self._draft_depth = _depth(ng)
             return ng
         if best == "plain":
             return None
@@ -508,14 +508,6 @@ def _rate(book: Book, name: str, min_n: int) -> float | None:
 
 def _both(doc: Book, glob: Book) -> tuple[Book, ...]:
     return (doc,) if doc is glob else (doc, glob)
-
-
-def _depth(draft: Draft) -> int:
-    assert draft.parents is not None
-    depth: list[int] = []
-    for p in draft.parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)
 
 
 def make(
