@@ -377,11 +377,14 @@ class LookaheadProposer:
     def follow(self, result: StepResult) -> None:
         """A step another proposer drafted (the auto policy's choice): slide the window by
         the tokens it emitted; the pool absorbs them at the next ``propose``."""
-        emitted = max(1, len(result.tokens))
-        self._levels = [(lev[emitted:] + [None] * emitted)[: self.W] for lev in self._levels]
+        self._slide(max(1, len(result.tokens)))
         self._forget_draft()
 
     # -- helpers --------------------------------------------------------------------
+
+    def _slide(self, emitted: int) -> None:
+        """Every level moves ``emitted`` columns left; the columns that slide in are empty."""
+        self._levels = [(lev[emitted:] + [None] * emitted)[: self.W] for lev in self._levels]
 
     def _iterate(self, result: StepResult, emitted: int, mine: bool) -> None:
         """The Jacobi update from the top level's rows, the harvest, and the slide."""
@@ -396,7 +399,7 @@ class LookaheadProposer:
                 for j, tok in zip(cols, best, strict=True):
                     new[j + 1] = int(tok)
         if all(t is None for t in new):  # nothing learned: only slide
-            self._levels = [(lev[emitted:] + [None] * emitted)[: self.W] for lev in self._levels]
+            self._slide(emitted)
             return
         self._levels, grams = jacobi_step(self._levels, new, self.N, emitted)
         for gram in grams:
