@@ -98,7 +98,10 @@ after(async () => {
   }
   conn.dispose();
   for (const pid of daemonPids()) process.kill(pid, 'SIGTERM');
-  fs.rmSync(tmp, { recursive: true, force: true });
+  // A terminated daemon saves its index under tmp/cache on the way out:
+  // removing tmp before it has exited races with that write (ENOTEMPTY).
+  await waitFor(async () => daemonPids().length === 0, 30000, 'the daemon to exit');
+  fs.rmSync(tmp, { recursive: true, force: true, maxRetries: 5, retryDelay: 100 });
 });
 
 test('settings are mirrored into initializationOptions', () => {
