@@ -44,6 +44,14 @@ adds fused into ``addmm``): on this CPU (MKL, fp32) a one-row product runs at
 ~14 GB/s in that layout against ~9 GB/s for ``F.linear`` over ``(out, in)``, the
 difference that matters for decode; for 16+ rows both layouts cost the same.
 
+CPU kernel: with fp32 weights on an x86-64 CPU with AVX2 and FMA (``kernels=None``
+picks it when it builds, ``False`` keeps torch's products), every weight is
+repacked once into ``cpu_gemm`` panels and every product goes through that
+kernel. MKL costs about M one-row products for M = 2 .. 8 rows here, the kernel
+about one for M <= 4, so verifying a small draft is cheap; and its rows do not
+depend on the other rows of a call, so a verify forward's logits equal the
+decode steps' bit for bit (``codespec bench runner`` shows lean vs torch).
+
 Devices: fp32 on the CPU, bf16 on CUDA (``dtype`` overrides), the same code on
 both; CUDA gets SDPA's fused kernels for the explicit masks. ``compile=True``
 wraps the decoder stack in ``torch.compile(dynamic=True)`` (no CUDA graphs: the
@@ -61,6 +69,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from codespec.daemon import cpu_gemm
 from codespec.daemon.runner import ForwardOut, check_forward, check_keep, tree_layout
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
@@ -140,6 +149,7 @@ class LeanRunner:
         max_length: int | None = None,
         chunk: int = 256,
         compile: bool = False,
+        kernels: bool | None = None,
     ) -> None:
         if not supports(config):
             raise ValueError(f"the lean runner does not support this config ({config.model_type})")
@@ -159,6 +169,9 @@ class LeanRunner:
         self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.n_heads)
         self.eps = float(config.rms_norm_eps)
         self._load(state, bool(getattr(config, "tie_word_embeddings", False)))
+        self.kernels = self._use_kernels(kernels, compile)
+        if self.kernels:
+            self._pack()
 
         # RoPE tables for every position, computed once (fp32 as HF, then cast).
         _, theta, _ = _rope_params(config)
@@ -192,22 +205,30 @@ class LeanRunner:
         dtype: torch.dtype | None = None,
         max_length: int | None = None,
         compile: bool = False,
+        kernels: bool | None = None,
     ) -> LeanRunner:
         """Load a local Hugging Face checkpoint folder (config.json + safetensors)."""
         from transformers import AutoConfig
 
         path = Path(path)
         config = AutoConfig.from_pretrained(str(path))
-        return cls(config, _load_safetensors(path), device, dtype, max_length, compile=compile)
+        state = _load_safetensors(path)
+        return cls(config, state, device, dtype, max_length, compile=compile, kernels=kernels)
 
     @classmethod
     def from_hf_model(
-        cls, model: torch.nn.Module, max_length: int | None = None, compile: bool = False
+        cls,
+        model: torch.nn.Module,
+        max_length: int | None = None,
+        compile: bool = False,
+        kernels: bool | None = None,
     ) -> LeanRunner:
         """Copy an in-memory HF causal LM's weights (same device and dtype as the model)."""
         p = next(model.parameters())
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        return cls(model.config, state, p.device, p.dtype, max_length, compile=compile)
+        return cls(
+            model.config, state, p.device, p.dtype, max_length, compile=compile, kernels=kernels
+        )
 
     def _load(self, state: dict[str, torch.Tensor], tied: bool) -> None:
         """Fuse and move the weights; biases are used wherever the checkpoint has them."""
@@ -267,6 +288,35 @@ class LeanRunner:
                 )
             )
         self.layers = layers
+
+    def _use_kernels(self, wanted: bool | None, compile: bool) -> bool:
+        """Whether products go through ``cpu_gemm`` (auto: fp32 on the CPU, not compiled)."""
+        fits = self.device.type == "cpu" and self.dtype == torch.float32
+        if wanted is False or (wanted is None and (compile or not fits)):
+            return False
+        if not fits:
+            raise ValueError("the CPU kernels need fp32 weights on the CPU")
+        if cpu_gemm.library() is None:
+            if wanted:
+                raise RuntimeError(f"CPU kernels unavailable: {cpu_gemm.unavailable_reason()}")
+            return False
+        return True
+
+    def _pack(self) -> None:
+        """Replace every ``(in, out)`` weight by its ``cpu_gemm`` panels (no extra copy kept)."""
+
+        def p(w: torch.Tensor) -> torch.Tensor:
+            return cpu_gemm.maybe_pack(w, True)
+
+        self.lm_head_t = p(self.lm_head_t)
+        self.layers = [
+            (ln1, p(wqkv), bqkv, p(wo), bo, ln2, p(wgu), bgu, p(wd), bd)
+            for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in self.layers
+        ]
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """LM-head logits of final-normed hidden states ``(T, H)``."""
+        return cpu_gemm.linear(normed, self.lm_head_t, None, None)
 
     # -- cache verbs ---------------------------------------------------------------------
 
@@ -379,7 +429,7 @@ class LeanRunner:
             x = x[-1:]
         elif rows == "none":
             x = x[:0]
-        logits = F.rms_norm(x, (self.hidden_size,), self.norm, self.eps) @ self.lm_head_t
+        logits = self.project(F.rms_norm(x, (self.hidden_size,), self.norm, self.eps))
         self._len = total
         return ForwardOut(logits=logits.float(), hidden=hidden)
 
@@ -406,7 +456,7 @@ class LeanRunner:
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
             kc, vc = self.kv[i, 0], self.kv[i, 1]  # (KV, S_max, D)
             a = F.rms_norm(x, (h,), ln1, self.eps)
-            a = a @ wqkv if bqkv is None else torch.addmm(bqkv, a, wqkv)  # (T, (NH+2KV)*D)
+            a = cpu_gemm.linear(a, wqkv, bqkv, None)  # (T, (NH+2KV)*D)
             qk = a[:, :qk_w].view(n, nh + nkv, d)  # (T, NH+KV, D)
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE
             kc[:, past:total] = qk[:, nh:].transpose(0, 1)  # (KV, T, D)
@@ -416,11 +466,11 @@ class LeanRunner:
                 q, kc[None, :, :total], vc[None, :, :total], attn_mask=mask
             )  # (1, KV, T*G, D)
             o = o.view(nkv, n, g * d).transpose(0, 1).reshape(n, nh * d)  # (T, NH*D)
-            x = torch.addmm(x if bo is None else x + bo, o, wo)  # residual fused in
+            x = cpu_gemm.linear(o, wo, bo, x)  # residual fused in
             gu = F.rms_norm(x, (h,), ln2, self.eps)
-            gu = gu @ wgu if bgu is None else torch.addmm(bgu, gu, wgu)  # (T, 2I)
+            gu = cpu_gemm.linear(gu, wgu, bgu, None)  # (T, 2I)
             gu = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]  # (T, I)
-            x = torch.addmm(x if bd is None else x + bd, gu, wd)
+            x = cpu_gemm.linear(gu, wd, bd, x)
             for j in slots[i + 1]:
                 hidden[:, j] = x
         return x

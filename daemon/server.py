@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon import completion
+from codespec.daemon import completion, cpu_gemm
 from codespec.daemon.config import Config
 from codespec.daemon.documents import DocumentStore
 from codespec.daemon.engine import GenParams
@@ -79,6 +79,15 @@ METHODS = (
     "workspace",
     "shutdown",
 )
+
+
+def _cpu_kernel(engine: Any) -> str:
+    """``cpu_gemm`` when the runner's products use the CPU kernel, else why not."""
+    if getattr(engine.runner, "kernels", False):
+        return "cpu_gemm"
+    if engine.device.type != "cpu" or engine.runner.name != "lean":
+        return "off"
+    return cpu_gemm.unavailable_reason() or "off"
 
 
 class SocketInUse(RuntimeError):
@@ -540,6 +549,7 @@ class Server:
             "model": e.model_name,
             "device": e.device.type,
             "runner": e.runner.name,
+            "cpu_kernel": _cpu_kernel(e),
             "uptime_s": round(time.time() - self.started, 1),
             "connections": len(self._connections),
             "documents": len(self.documents),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one build of the CPU kernel for every daemon the tests start under its own cache dir
+os.environ.setdefault(
+    "CODESPEC_KERNEL_DIR", os.path.join(tempfile.gettempdir(), f"codespec-kernels-{os.getuid()}")
+)
 torch.set_num_threads(int(os.environ.get("CODESPEC_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
 HELDOUT = Path(sysconfig.get_paths()["stdlib"]) / "test"

@@ -18,6 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from codespec.daemon import cpu_gemm
 from codespec.daemon.runner import HFRunner
 from codespec.daemon.runner_lean import LeanRunner, supports
 
@@ -71,14 +72,22 @@ MODELS = {
 }
 
 
-@pytest.fixture(params=list(MODELS))
+KERNELS = ["cpu_gemm", "torch"] if cpu_gemm.library() is not None else ["torch"]
+
+
+@pytest.fixture(params=[(m, k) for m in MODELS for k in KERNELS], ids=lambda p: "-".join(p))
 def pair(request, tmp_path) -> tuple[LeanRunner, HFRunner]:
-    """(lean loaded from a saved checkpoint folder, HF reference) over the same weights."""
+    """(lean loaded from a saved checkpoint folder, HF reference) over the same weights.
+
+    Each model runs twice where the CPU kernel builds: on ``cpu_gemm`` products and
+    on torch's."""
+    name, kernels = request.param
     torch.manual_seed(0)
-    model = _randomise(MODELS[request.param]())
+    model = _randomise(MODELS[name]())
     model.save_pretrained(tmp_path)
-    lean = LeanRunner.from_pretrained(tmp_path)
+    lean = LeanRunner.from_pretrained(tmp_path, kernels=kernels == "cpu_gemm")
     assert lean.dtype == torch.float32
+    assert lean.kernels == (kernels == "cpu_gemm")
     return lean, HFRunner(model)
 
 
@@ -174,7 +183,7 @@ def test_taps_equal_hf_hidden_states(pair) -> None:
     torch.testing.assert_close(a.hidden, b.hidden, atol=ATOL, rtol=0)
     # the final norm of tap L gives the rows the LM head reads
     normed = torch.nn.functional.rms_norm(a.hidden[:, 2], (lean.hidden_size,), lean.norm, lean.eps)
-    torch.testing.assert_close(normed @ lean.lm_head_t, a.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lean.project(normed), a.logits, atol=ATOL, rtol=0)
     # tree forward with taps: same positions and masks for the hidden states
     parents = [-1, 0, 0]
     a = lean.forward(_ids(3, 17), parents, taps=(1,))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from codespec.daemon import cpu_gemm
 from codespec.daemon.client import Client, DaemonError
 from codespec.daemon.protocol import ERROR_CODES
 from codespec.ngram_index.positions import apply_changes
@@ -105,6 +106,11 @@ def test_stats_shape(client):
     for key in ("model", "device", "documents", "index", "requests", "proposers", "tokens_per_s"):
         assert key in s
     assert {"in_flight", "served", "cancelled"} <= set(s["requests"])
+    # the lean runner on this CPU multiplies through the cpu_gemm kernel, or says why not
+    if s["runner"] == "lean" and s["device"] == "cpu" and cpu_gemm.library() is not None:
+        assert s["cpu_kernel"] == "cpu_gemm"
+    else:
+        assert isinstance(s["cpu_kernel"], str) and s["cpu_kernel"]
 
 
 def test_stats_report_what_the_policy_measured(client):

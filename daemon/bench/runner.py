@@ -1,5 +1,10 @@
 """``codespec bench runner``: per-forward time of the lean runner vs the HF runner.
 
+Three runners over the same fp32 weights: ``lean`` (the lean runner as the engine
+builds it: on an x86-64 CPU with AVX2 its products go through the
+``cpu_gemm`` kernel), ``torch`` (the same runner with torch's products, i.e.
+``kernels=False``; shown when the kernel is in use) and ``hf``.
+
 This module owns the runner micro-benchmark only; it builds runners through their
 public constructors and must not reach into the engine, the CLI or the proposers.
 
@@ -69,19 +74,23 @@ def _random_llama(max_length: int, seed: int) -> torch.nn.Module:
 
 
 def build_runners(
-    model_dir: Path | None, max_length: int, compile: bool, seed: int
+    model_dir: Path | None, max_length: int, compile: bool, seed: int, kernels: bool | None = None
 ) -> tuple[LeanRunner, HFRunner, str]:
     """(lean, hf, description) over the same fp32 weights on the CPU."""
     if model_dir is None:
         model = _random_llama(max_length, seed)
-        lean = LeanRunner.from_hf_model(model, max_length=max_length, compile=compile)
+        lean = LeanRunner.from_hf_model(
+            model, max_length=max_length, compile=compile, kernels=kernels
+        )
         return lean, HFRunner(model, max_length=max_length), "random 4x384 llama"
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = copy.deepcopy(AutoConfig.from_pretrained(str(model_dir)))
     cfg.max_position_embeddings = max(max_length, int(cfg.max_position_embeddings))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=cfg, dtype=torch.float32)
-    lean = LeanRunner.from_pretrained(model_dir, max_length=max_length, compile=compile)
+    lean = LeanRunner.from_pretrained(
+        model_dir, max_length=max_length, compile=compile, kernels=kernels
+    )
     return lean, HFRunner(model.eval(), max_length=max_length), str(model_dir)
 
 
@@ -105,6 +114,11 @@ def measure_bandwidth(reps: int = 15) -> dict[str, float]:
     out = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     out["best"] = max(out.values())
     return out
+
+
+def _state_of(hf: HFRunner) -> dict[str, torch.Tensor]:
+    """The HF model's weights, for building a second lean runner over them."""
+    return {k: v.detach() for k, v in hf.model.state_dict().items()}
 
 
 def _timed(runner: Any, ids: list[int], back_to: int) -> float:
@@ -132,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     max_length = max(contexts) + max(sizes)
     model_dir = args.model if args.model is not None else _default_model_dir()
     lean, hf, desc = build_runners(model_dir, max_length, args.compile, args.seed)
+    named: list[tuple[str, Any]] = [("lean", lean), ("hf", hf)]
+    if lean.kernels:  # the same runner on torch's products, side by side
+        plain = LeanRunner(
+            lean.config, _state_of(hf), max_length=max_length, compile=args.compile, kernels=False
+        )
+        named.insert(1, ("torch", plain))
     bw = measure_bandwidth()
     wbytes = param_bytes(lean)
     gen = torch.Generator().manual_seed(args.seed)
@@ -140,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in contexts:
         prefix = torch.randint(0, lean.vocab_size, (ctx,), generator=gen).tolist()
         draft = torch.randint(0, lean.vocab_size, (max(sizes),), generator=gen).tolist()
-        for r in (lean, hf):
+        for _, r in named:
             r.reset()
             r.forward(prefix)
             for t in sizes:  # warm-up: allocator, kernels, compilation
@@ -148,43 +168,46 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[tuple[str, int], list[float]] = {}
         for rep in range(args.reps):
             for t in sizes:
-                order = (lean, hf) if rep % 2 == 0 else (hf, lean)
-                for r in order:
-                    times.setdefault((r.name, t), []).append(_timed(r, draft[:t], ctx))
+                k = rep % len(named)
+                for label, r in named[k:] + named[:k]:  # rotate the order per repetition
+                    times.setdefault((label, t), []).append(_timed(r, draft[:t], ctx))
         for t in sizes:
             nbytes = wbytes + kv_bytes(lean, ctx + t)
-            rows.append(
-                {
-                    "context": ctx,
-                    "tokens": t,
-                    "lean_ms": statistics.median(times[("lean", t)]) * 1e3,
-                    "hf_ms": statistics.median(times[("hf", t)]) * 1e3,
-                    "floor_ms": nbytes / (bw["best"] * 1e9) * 1e3,
-                    "bytes": nbytes,
-                }
-            )
+            row: dict[str, Any] = {"context": ctx, "tokens": t}
+            for label, _ in named:
+                row[f"{label}_ms"] = statistics.median(times[(label, t)]) * 1e3
+            row["floor_ms"] = nbytes / (bw["best"] * 1e9) * 1e3
+            row["bytes"] = nbytes
+            rows.append(row)
 
     decode = {r["context"]: r["lean_ms"] for r in rows if r["tokens"] == 1}
+    has_torch = len(named) == 3
+    kernel_note = "cpu_gemm kernel" if lean.kernels else "torch products"
     print(f"model: {desc}   weights {wbytes / 1e6:.1f} MB   threads {args.threads}")
     print(
         f"bandwidth: {bw['best']:.1f} GB/s (W@x {bw['mv']:.1f}, x@W {bw['vm']:.1f}); "
-        f"medians of {args.reps}, lean and HF interleaved"
+        f"medians of {args.reps}, runners interleaved; lean uses the {kernel_note}"
     )
-    head = f"{'ctx':>5} {'T':>3} {'lean ms':>8} {'hf ms':>8} {'hf/lean':>7} "
-    head += f"{'floor ms':>8} {'lean/floor':>10} {'lean/decode':>11}"
+    head = f"{'ctx':>5} {'T':>3} {'lean ms':>8} "
+    head += f"{'torch ms':>8} {'torch/lean':>10} " if has_torch else ""
+    head += f"{'hf ms':>8} {'hf/lean':>7} {'floor ms':>8} {'lean/floor':>10} {'lean/decode':>11}"
     print(head)
     for r in rows:
-        print(
-            f"{r['context']:>5} {r['tokens']:>3} {r['lean_ms']:>8.2f} {r['hf_ms']:>8.2f} "
-            f"{r['hf_ms'] / r['lean_ms']:>7.2f} {r['floor_ms']:>8.2f} "
+        line = f"{r['context']:>5} {r['tokens']:>3} {r['lean_ms']:>8.2f} "
+        if has_torch:
+            line += f"{r['torch_ms']:>8.2f} {r['torch_ms'] / r['lean_ms']:>10.2f} "
+        line += (
+            f"{r['hf_ms']:>8.2f} {r['hf_ms'] / r['lean_ms']:>7.2f} {r['floor_ms']:>8.2f} "
             f"{r['lean_ms'] / r['floor_ms']:>10.2f} {r['lean_ms'] / decode[r['context']]:>11.2f}"
         )
+        print(line)
     summary = {
         "bench": "runner",
         "model": desc,
         "weight_bytes": wbytes,
         "threads": args.threads,
         "compile": args.compile,
+        "kernels": lean.kernels,
         "reps": args.reps,
         "bandwidth_gbs": round(bw["best"], 2),
         "rows": [

@@ -1,0 +1,249 @@
+"""Small-batch fp32 matrix products on the CPU: the C++ kernel in ``csrc/gemm.cpp``.
+
+Owns building that kernel (once per machine, with the system C++ compiler, into
+:func:`kernel_dir`), loading it with ``ctypes``, the packed weight layout it
+reads, and the one call the lean runner makes, :func:`mm`. It must not know
+anything about models: callers hand it plain tensors.
+
+Why it exists: on this project's CPUs (AMD EPYC, torch's MKL, fp32) a product with
+2 to 8 rows costs MKL about that many times a one-row product, so verifying a
+draft of k tokens costs nearly k decode steps and speculation cannot pay. The
+kernel reads each weight panel once for up to four rows and so costs about one
+row's time for M <= 4 (see the measurements in the README, "Benchmarks").
+Each output is summed in the same order whatever the number of rows, so the
+rows of a verify forward equal, bit for bit, what one-row decode steps give.
+
+When the kernel cannot be used (not x86-64 with AVX2 and FMA, no compiler, a
+failed build, ``CODESPEC_CPU_KERNELS=0``) :func:`library` returns ``None``,
+:func:`unavailable_reason` says why, and the runner keeps torch's products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from codespec.daemon.config import default_state_dir
+
+SOURCE = Path(__file__).parent / "csrc" / "gemm.cpp"
+PANEL = 16  # output columns per packed panel (two AVX2 vectors)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+THREADED_ROWS = 32  # from this many rows on, a product is split across torch's threads
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_loaded = False
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def kernel_dir() -> Path:
+    """``$CODESPEC_KERNEL_DIR``, else ``<state dir>/kernels`` (under ``$XDG_CACHE_HOME``)."""
+    env = os.environ.get("CODESPEC_KERNEL_DIR")
+    return Path(env) if env else default_state_dir() / "kernels"
+
+
+def _target(out_dir: Path) -> Path:
+    """Where the build of this source with these flags lives (one file per version)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return out_dir / f"gemm-{key}.so"
+
+
+def _build(cxx: str, target: Path) -> None:
+    """Compile the kernel to ``target`` (written whole or not at all)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders both end with a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> None:
+    global _lib, _reason, _loaded
+    _loaded = True
+    if os.environ.get("CODESPEC_CPU_KERNELS", "1") == "0":
+        _reason = "switched off by CODESPEC_CPU_KERNELS=0"
+        return
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        _reason = f"the kernel is x86-64 only (this is {platform.machine()})"
+        return
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        _reason = f"this CPU lacks {', '.join(sorted(missing))}"
+        return
+    target = _target(kernel_dir())
+    try:
+        if not target.exists():
+            cxx = _compiler()
+            if cxx is None:
+                _reason = "no C++ compiler to build it with (g++, c++ or clang++; or set CXX)"
+                return
+            _build(cxx, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _reason = f"building or loading the kernel failed: {e}"
+        return
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.cs_gemm.restype = None
+    lib.cs_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
+    lib.cs_gemm_version.restype = ctypes.c_int
+    _lib = lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; ``None`` when it cannot be used."""
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _load()
+    return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` is ``None`` (``None`` when the kernel is loaded)."""
+    library()
+    return _reason
+
+
+def packable(w: torch.Tensor) -> bool:
+    """Whether ``w`` (in, out) can be packed: fp32 on the CPU, ``out`` a multiple of 16."""
+    on_cpu = w.dtype == torch.float32 and w.device.type == "cpu"
+    return on_cpu and w.dim() == 2 and w.shape[1] % PANEL == 0
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """``(in, out)`` weights to panels ``(out / 16, in, 16)``: each panel contiguous."""
+    if not packable(w):
+        raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} tensor on {w.device}")
+    k, n = w.shape
+    return w.reshape(k, n // PANEL, PANEL).permute(1, 0, 2).contiguous()
+
+
+def unpack(p: torch.Tensor) -> torch.Tensor:
+    """Panels back to ``(in, out)``."""
+    npanel, k, _ = p.shape
+    return p.permute(1, 0, 2).reshape(k, npanel * PANEL)
+
+
+def mm(
+    x: torch.Tensor,
+    p: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    res: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """``x @ W (+ bias) (+ res)`` for packed ``W``: x ``(M, in)``, result ``(M, out)``.
+
+    The sum over ``in`` comes first, then ``bias``, then ``res`` (all fp32).
+    ``threads`` defaults to torch's intra-op threads for ``M >= THREADED_ROWS``, else 1.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
+    npanel, k, _ = p.shape
+    n = npanel * PANEL
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
+        raise ValueError(f"x must be (M, {k}) fp32, got {tuple(x.shape)} {x.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    if m == 0:
+        return y
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous ({n},) tensor")
+    if res is not None:
+        if res.shape != (m, n):
+            raise ValueError(f"res must be ({m}, {n}), got {tuple(res.shape)}")
+        if res.stride(1) != 1:
+            res = res.contiguous()
+    if threads is None:
+        threads = torch.get_num_threads() if m >= THREADED_ROWS else 1
+    lib.cs_gemm(
+        x.data_ptr(),
+        m,
+        k,
+        x.stride(0),
+        p.data_ptr(),
+        n,
+        y.data_ptr(),
+        n,
+        None if bias is None else bias.data_ptr(),
+        None if res is None else res.data_ptr(),
+        0 if res is None else res.stride(0),
+        max(1, int(threads)),
+    )
+    return y
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    res: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ w (+ bias) (+ res)``: packed panels (3-D ``w``) go to the kernel, an
+    ``(in, out)`` matrix to torch (``addmm`` with the residual and bias fused)."""
+    if w.dim() == 3:
+        return mm(x, w, bias, res)
+    if res is not None:
+        return torch.addmm(res if bias is None else res + bias, x, w)
+    return x @ w if bias is None else torch.addmm(bias, x, w)
+
+
+def maybe_pack(w: torch.Tensor, use: bool) -> torch.Tensor:
+    """``pack(w)`` when ``use`` and it can be packed, else ``w`` unchanged (for :func:`linear`)."""
+    return pack(w) if use and packable(w) else w
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights of this device and dtype can use the kernel here (builds it if needed)."""
+    return device.type == "cpu" and dtype == torch.float32 and library() is not None
+
+
+__all__ = [
+    "PANEL",
+    "library",
+    "linear",
+    "maybe_pack",
+    "mm",
+    "pack",
+    "packable",
+    "unavailable_reason",
+    "unpack",
+    "usable",
+]

@@ -1,0 +1,127 @@
+"""The CPU product kernel (``codespec.daemon.cpu_gemm``) against torch.
+
+Checks: it builds wherever it should (an x86-64 CPU with AVX2 and FMA and a C++
+compiler; a build failure must fail here, not fall back silently), its products
+equal torch's within fp32 rounding for every row count, bias and residual, its
+rows do not depend on the other rows of the call or on threads (what makes a
+verify forward equal decode steps bit for bit), and the runner falls back to
+torch when the kernel is switched off.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from codespec.daemon import cpu_gemm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _should_build() -> bool:
+    return (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and {"avx2", "fma"} <= cpu_gemm._cpu_flags()
+        and cpu_gemm._compiler() is not None
+        and os.environ.get("CODESPEC_CPU_KERNELS", "1") != "0"
+    )
+
+
+needs_kernel = pytest.mark.skipif(
+    cpu_gemm.library() is None, reason=f"kernel unavailable: {cpu_gemm.unavailable_reason()}"
+)
+
+
+def test_builds_where_it_should() -> None:
+    if not _should_build():
+        pytest.skip("not an x86-64 AVX2 machine with a C++ compiler")
+    assert cpu_gemm.library() is not None, cpu_gemm.unavailable_reason()
+    assert cpu_gemm.library().cs_gemm_version() == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 33])
+@pytest.mark.parametrize("k,n", [(48, 80), (37, 16), (384, 640)])
+def test_equals_torch(m: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    w = torch.randn(k, n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    res = torch.randn(m, n, generator=g)
+    p = cpu_gemm.pack(w)
+    assert p.shape == (n // 16, k, 16)
+    assert torch.equal(cpu_gemm.unpack(p), w)
+    tol = dict(atol=1e-4 * k**0.5, rtol=1e-5)
+    torch.testing.assert_close(cpu_gemm.mm(x, p), x @ w, **tol)
+    torch.testing.assert_close(cpu_gemm.mm(x, p, bias), x @ w + bias, **tol)
+    torch.testing.assert_close(cpu_gemm.mm(x, p, bias, res), x @ w + bias + res, **tol)
+    torch.testing.assert_close(cpu_gemm.mm(x, p, None, res), x @ w + res, **tol)
+
+
+@needs_kernel
+def test_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(384, 1024, generator=g)
+    x = torch.randn(37, 384, generator=g)
+    res = torch.randn(37, 1024, generator=g)
+    p = cpu_gemm.pack(w)
+    full = cpu_gemm.mm(x, p, None, res, threads=1)
+    for threads in (2, 3):
+        assert torch.equal(cpu_gemm.mm(x, p, None, res, threads=threads), full)
+    for i in range(37):
+        assert torch.equal(cpu_gemm.mm(x[i : i + 1], p, None, res[i : i + 1]), full[i : i + 1])
+    # a strided view of x (a slice of a wider tensor) reads the same rows
+    wide = torch.zeros(37, 500)
+    wide[:, 50:434] = x
+    assert torch.equal(cpu_gemm.mm(wide[:, 50:434], p, None, res, threads=1), full)
+
+
+@needs_kernel
+def test_bad_shapes_are_refused() -> None:
+    p = cpu_gemm.pack(torch.randn(8, 32))
+    with pytest.raises(ValueError):
+        cpu_gemm.mm(torch.randn(2, 9), p)
+    with pytest.raises(ValueError):
+        cpu_gemm.mm(torch.randn(2, 8), p, torch.randn(16))
+    with pytest.raises(ValueError):
+        cpu_gemm.mm(torch.randn(2, 8), p, None, torch.randn(3, 32))
+    with pytest.raises(ValueError):
+        cpu_gemm.pack(torch.randn(8, 24))  # out not a multiple of 16
+    assert cpu_gemm.mm(torch.randn(0, 8), p).shape == (0, 32)
+
+
+def test_switched_off_by_the_environment(tmp_path) -> None:
+    code = (
+        "from codespec.daemon import cpu_gemm; "
+        "print(cpu_gemm.library() is None, '|', cpu_gemm.unavailable_reason())"
+    )
+    env = dict(os.environ, CODESPEC_CPU_KERNELS="0", XDG_CACHE_HOME=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("True |") and "CODESPEC_CPU_KERNELS=0" in out
+
+
+@pytest.mark.skipif(not _should_build(), reason="no x86-64 AVX2 machine with a C++ compiler")
+def test_a_fresh_cache_builds_once_and_reuses(tmp_path) -> None:
+    """A new state dir gets one compiled library; a second process loads it without g++."""
+    code = (
+        "from codespec.daemon import cpu_gemm; import sys; "
+        "sys.exit(0 if cpu_gemm.library() is not None else cpu_gemm.unavailable_reason())"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    env.pop("CODESPEC_KERNEL_DIR", None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    built = list((tmp_path / "codespec" / "kernels").glob("gemm-*.so"))
+    assert len(built) == 1
+    env["PATH"] = str(tmp_path / "empty-bin")  # no compiler on PATH now: the cached build serves
+    env["CXX"] = ""
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert list((tmp_path / "codespec" / "kernels").glob("gemm-*.so")) == built
+    assert shutil.which("g++") is not None
