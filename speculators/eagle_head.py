@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from codespec.daemon import cpu_gemm
+
 SPECULATORS_VERSION = "0.3.0"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -487,9 +489,12 @@ class HeadRunner:
         self.dtype = dtype
         self.max_length = int(max_length)
         layer = head.layers[0]
+        # fp32 on an AVX2 CPU: products through the cpu_gemm kernel, as the lean runner
+        self.kernels = cpu_gemm.usable(self.device, dtype)
 
         def t(w: torch.Tensor) -> torch.Tensor:  # (out, in) -> (in, out): x @ W is fastest here
-            return w.detach().to(self.device, dtype).t().contiguous()
+            w = w.detach().to(self.device, dtype).t().contiguous()
+            return cpu_gemm.maybe_pack(w, self.kernels)
 
         def v(w: torch.Tensor) -> torch.Tensor:
             return w.detach().to(self.device, dtype).contiguous()
@@ -531,7 +536,8 @@ class HeadRunner:
     @torch.inference_mode()
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """``(T, 3, h)`` target taps → ``(T, h)``."""
-        return taps.to(self.device, self.dtype).flatten(-2) @ self.w_fc
+        x = taps.to(self.device, self.dtype).flatten(-2)
+        return cpu_gemm.linear(x.reshape(-1, x.shape[-1]), self.w_fc).view(*x.shape[:-1], -1)
 
     @torch.inference_mode()
     def forward(
@@ -562,7 +568,7 @@ class HeadRunner:
         e = F.rms_norm(F.embedding(ids_t, self.embed), (h,), self.ln_in, eps)
         hn = F.rms_norm(hid, (h,), self.ln_hid, eps)
         residual = hn if cfg.norm_before_residual else hid
-        a = torch.cat([e, hn], dim=-1) @ self.w_qkv  # (T, (NH+2KV)*D)
+        a = cpu_gemm.linear(torch.cat([e, hn], dim=-1), self.w_qkv)  # (T, (NH+2KV)*D)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (T, 1, D)
         qk = apply_rope(a[:, : (nh + nkv) * d].view(n, nh + nkv, d), cos, sin)
         self.kv[0, :, past:total] = qk[:, nh:].transpose(0, 1)  # (KV, T, D)
@@ -581,12 +587,12 @@ class HeadRunner:
             q, self.kv[None, 0, :, :total], self.kv[None, 1, :, :total], attn_mask=mask
         )  # (1, KV, T*G, D)
         o = o.view(nkv, n, g * d).transpose(0, 1).reshape(n, nh * d)  # (T, NH*D)
-        x = torch.addmm(residual, o, self.w_o)
-        gu = F.rms_norm(x, (h,), self.ln_post, eps) @ self.w_gu  # (T, 2I)
+        x = cpu_gemm.linear(o, self.w_o, None, residual)
+        gu = cpu_gemm.linear(F.rms_norm(x, (h,), self.ln_post, eps), self.w_gu)  # (T, 2I)
         inter = cfg.intermediate_size
-        x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], self.w_down)  # (T, h)
+        x = cpu_gemm.linear(F.silu(gu[:, :inter]) * gu[:, inter:], self.w_down, None, x)  # (T, h)
         last = x[-1:] if last_only else x
-        logits = F.rms_norm(last, (h,), self.ln_out, eps) @ self.w_lm  # (T, draft_vocab)
+        logits = cpu_gemm.linear(F.rms_norm(last, (h,), self.ln_out, eps), self.w_lm)
         self.length = total
         return x, logits.float()
 
