@@ -1,4 +1,8 @@
-"""Small-batch fp32 matrix products on the CPU: the C++ kernel in ``csrc/gemm.cpp``.
+"""Small-batch fp32 kernels on the CPU: the C++ code in ``csrc/gemm.cpp``.
+
+Three kernels: :func:`mm` (products of a few rows with packed weights), :func:`attention`
+(a decode step's grouped-query attention over the KV cache, reading it once) and
+:func:`rms_norm` (torch's costs ~20 µs of dispatch per call for one row here).
 
 Owns building that kernel (once per machine, with the system C++ compiler, into
 :func:`kernel_dir`), loading it with ``ctypes``, the packed weight layout it
@@ -121,6 +125,11 @@ def _load() -> None:
     lib.cs_gemm.restype = None
     lib.cs_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
     lib.cs_gemm_version.restype = ctypes.c_int
+    lib.cs_attention.restype = None
+    lib.cs_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr]
+    lib.cs_attention.argtypes += [ctypes.c_float, ptr, ptr]
+    lib.cs_rmsnorm.restype = None
+    lib.cs_rmsnorm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64]
     _lib = lib
 
 
@@ -210,6 +219,76 @@ def mm(
     return y
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of the rows of ``x`` (M, H) with weight ``w`` (H,), by the kernel."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
+    if x.dim() != 2 or x.dtype != torch.float32 or w.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm wants (M, H) fp32 rows and an (H,) weight: {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
+    m, h = x.shape
+    y = torch.empty((m, h), dtype=torch.float32)
+    lib.cs_rmsnorm(x.data_ptr(), m, h, x.stride(0), w.data_ptr(), float(eps), y.data_ptr(), h)
+    return y
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: int,
+    t: int,
+    allowed: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Grouped-query attention of a few rows over a KV cache, by the kernel.
+
+    ``q`` (KV, R, D), rows ``r = i * G + g`` for ``t`` new tokens (G = R / t query
+    heads per kv head); ``k``, ``v`` (KV, S_max, D) caches whose rows ``0 .. past+t``
+    are written. New token i sees every cached key and new key j when
+    ``allowed[i, j]`` (``None``: a chain, j <= i). Returns (KV, R, D).
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
+    nkv, rows, d = q.shape
+    if t < 1 or rows % t or d % 8 or d > 256 or q.dtype != torch.float32:
+        raise ValueError(f"attention wants fp32 (KV, t*G, D) queries, D % 8 == 0: {q.shape}")
+    if k.shape[0] != nkv or k.shape[2] != d or k.shape[1] < past + t or k.shape != v.shape:
+        raise ValueError("k and v must be (KV, S_max >= past + t, D) caches matching q")
+    if k.stride(2) != 1 or k.stride(1) != d or v.stride() != k.stride():
+        raise ValueError("k and v must have contiguous rows of D")
+    if allowed is not None:
+        if allowed.shape != (t, t):
+            raise ValueError(f"allowed must be ({t}, {t})")
+        allowed = allowed.to(torch.uint8).contiguous()
+    q = q.contiguous()
+    total = past + t
+    scores = torch.empty(rows * total, dtype=torch.float32)
+    out = torch.empty((nkv, rows, d), dtype=torch.float32)
+    lib.cs_attention(
+        q.data_ptr(),
+        nkv,
+        rows,
+        rows // t,
+        d,
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        past,
+        t,
+        None if allowed is None else allowed.data_ptr(),
+        float(d**-0.5 if scale is None else scale),
+        scores.data_ptr(),
+        out.data_ptr(),
+    )
+    return out
+
+
 def linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -237,12 +316,14 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 __all__ = [
     "PANEL",
+    "attention",
     "library",
     "linear",
     "maybe_pack",
     "mm",
     "pack",
     "packable",
+    "rms_norm",
     "unavailable_reason",
     "unpack",
     "usable",

@@ -50,7 +50,8 @@ repacked once into ``cpu_gemm`` panels and every product goes through that
 kernel. MKL costs about M one-row products for M = 2 .. 8 rows here, the kernel
 about one for M <= 4, so verifying a small draft is cheap; and its rows do not
 depend on the other rows of a call, so a verify forward's logits equal the
-decode steps' bit for bit (``codespec bench runner`` shows lean vs torch).
+decode steps' bit for bit (``codespec bench runner`` shows lean vs torch). A
+decode step's attention and every RMSNorm go through the same library.
 
 Devices: fp32 on the CPU, bf16 on CUDA (``dtype`` overrides), the same code on
 both; CUDA gets SDPA's fused kernels for the explicit masks. ``compile=True``
@@ -314,6 +315,12 @@ class LeanRunner:
             for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in self.layers
         ]
 
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the rows of ``x`` (T, H): the kernel's when products use it."""
+        if self.kernels:
+            return cpu_gemm.rms_norm(x, w, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), w, self.eps)
+
     def project(self, normed: torch.Tensor) -> torch.Tensor:
         """LM-head logits of final-normed hidden states ``(T, H)``."""
         return cpu_gemm.linear(normed, self.lm_head_t, None, None)
@@ -429,7 +436,7 @@ class LeanRunner:
             x = x[-1:]
         elif rows == "none":
             x = x[:0]
-        logits = self.project(F.rms_norm(x, (self.hidden_size,), self.norm, self.eps))
+        logits = self.project(self._norm(x, self.norm))
         self._len = total
         return ForwardOut(logits=logits.float(), hidden=hidden)
 
@@ -445,7 +452,7 @@ class LeanRunner:
     ) -> torch.Tensor:
         """The decoder stack over ``x`` (T, H); writes this chunk's K/V and the taps."""
         n = x.shape[0]
-        nh, nkv, g, d, h = self.n_heads, self.n_kv, self.group, self.head_dim, self.hidden_size
+        nh, nkv, g, d = self.n_heads, self.n_kv, self.group, self.head_dim
         total = past + n
         qk_w = (nh + nkv) * d
         slots: list[list[int]] = [[] for _ in range(self.num_layers + 1)]  # tap l -> columns
@@ -455,19 +462,22 @@ class LeanRunner:
             hidden[:, j] = x
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
             kc, vc = self.kv[i, 0], self.kv[i, 1]  # (KV, S_max, D)
-            a = F.rms_norm(x, (h,), ln1, self.eps)
+            a = self._norm(x, ln1)
             a = cpu_gemm.linear(a, wqkv, bqkv, None)  # (T, (NH+2KV)*D)
             qk = a[:, :qk_w].view(n, nh + nkv, d)  # (T, NH+KV, D)
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE
             kc[:, past:total] = qk[:, nh:].transpose(0, 1)  # (KV, T, D)
             vc[:, past:total] = a[:, qk_w:].view(n, nkv, d).transpose(0, 1)
             q = qk[:, :nh].reshape(n, nkv, g, d).transpose(0, 1).reshape(1, nkv, n * g, d)
-            o = F.scaled_dot_product_attention(
-                q, kc[None, :, :total], vc[None, :, :total], attn_mask=mask
-            )  # (1, KV, T*G, D)
+            if n == 1 and self.kernels:  # a decode step: the kernel reads K and V once
+                o = cpu_gemm.attention(q[0], kc, vc, past, 1)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, kc[None, :, :total], vc[None, :, :total], attn_mask=mask
+                )  # (1, KV, T*G, D)
             o = o.view(nkv, n, g * d).transpose(0, 1).reshape(n, nh * d)  # (T, NH*D)
             x = cpu_gemm.linear(o, wo, bo, x)  # residual fused in
-            gu = F.rms_norm(x, (h,), ln2, self.eps)
+            gu = self._norm(x, ln2)
             gu = cpu_gemm.linear(gu, wgu, bgu, None)  # (T, 2I)
             gu = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]  # (T, I)
             x = cpu_gemm.linear(gu, wd, bd, x)

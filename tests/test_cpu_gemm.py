@@ -42,7 +42,7 @@ def test_builds_where_it_should() -> None:
     if not _should_build():
         pytest.skip("not an x86-64 AVX2 machine with a C++ compiler")
     assert cpu_gemm.library() is not None, cpu_gemm.unavailable_reason()
-    assert cpu_gemm.library().cs_gemm_version() == 1
+    assert cpu_gemm.library().cs_gemm_version() == 3
 
 
 @needs_kernel
@@ -125,3 +125,42 @@ def test_a_fresh_cache_builds_once_and_reuses(tmp_path) -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     assert list((tmp_path / "codespec" / "kernels").glob("gemm-*.so")) == built
     assert shutil.which("g++") is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("h", [48, 384, 37])
+def test_rms_norm_equals_torch(h: int) -> None:
+    g = torch.Generator().manual_seed(h)
+    x = torch.randn(5, h, generator=g) * 3
+    w = torch.randn(h, generator=g)
+    ref = torch.nn.functional.rms_norm(x, (h,), w, 1e-6)
+    torch.testing.assert_close(cpu_gemm.rms_norm(x, w, 1e-6), ref, atol=1e-5, rtol=1e-5)
+    # rows are independent of the batch, as the products'
+    one = torch.cat([cpu_gemm.rms_norm(x[i : i + 1], w, 1e-6) for i in range(5)])
+    assert torch.equal(one, cpu_gemm.rms_norm(x, w, 1e-6))
+
+
+@needs_kernel
+@pytest.mark.parametrize("past,t", [(0, 1), (37, 1), (300, 1), (70, 3), (129, 5)])
+@pytest.mark.parametrize("tree", [False, True])
+def test_attention_equals_sdpa(past: int, t: int, tree: bool) -> None:
+    """Grouped-query attention over a cache, chain or tree mask, against torch's SDPA."""
+    g = torch.Generator().manual_seed(past * 10 + t)
+    nkv, groups, d, s_max = 2, 3, 64, 512
+    kv = torch.randn(2, nkv, s_max, d, generator=g)
+    q = torch.randn(nkv, t * groups, d, generator=g) * 2
+    allowed = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    if tree and t > 2:
+        allowed[t - 1, 1] = False  # the last token hangs off token 0, not 1
+    total = past + t
+    full = torch.ones(t, total, dtype=torch.bool)
+    full[:, past:] = allowed
+    mask = torch.zeros(t, total).masked_fill_(~full, float("-inf"))
+    mask = mask[:, None, :].expand(t, groups, total).reshape(t * groups, total)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[None], kv[0][None, :, :total], kv[1][None, :, :total], attn_mask=mask
+    )[0]
+    got = cpu_gemm.attention(q, kv[0], kv[1], past, t, allowed if tree else None)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        cpu_gemm.attention(q, kv[0][:, : total - 1], kv[1][:, : total - 1], past, t)
