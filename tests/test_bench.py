@@ -72,3 +72,14 @@ def test_each_workload_keeps_its_own_index(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     assert seen["import os\n"] is not None and "file:///pkg/a.py" in seen["import os\n"]
     assert seen["x = 1\n"] is None
+
+
+def test_a_timed_decode_does_not_inherit_lookahead_pools(engine):
+    """Running the same prompt twice under one uri costs the same forwards both times: the
+    second run must not draft from the pool the first run harvested from its own output."""
+    from codespec.daemon.bench.methods import run_engine
+
+    prompt = engine.encode("class Stack:\n    def __init__(self):\n")
+    runs = [run_engine(engine, "lookahead", prompt, 48, None, "file:///same.py") for _ in range(2)]
+    assert runs[0].ids == runs[1].ids
+    assert runs[0].forwards == runs[1].forwards

@@ -147,8 +147,16 @@ def decode_once(
     engine, prompt: list[int], params, proposer=None, info=None
 ) -> tuple[list[int], Any, float]:
     """One timed decode from an empty KV cache: (output ids, stop tokens left out; the final
-    stats; wall ms). Every benchmark that compares methods runs its prompts through this."""
+    stats; wall ms). Every benchmark that compares methods runs its prompts through this.
+
+    Each run starts cold: no KV cache and no lookahead pools. The pools are kept per
+    document across requests (in the daemon, a second request at the same spot may use
+    what the first one generated); here every method decodes the same prompts under the
+    same uri, so a kept pool would hand a later run the earlier run's output."""
+    from codespec.speculators.lookahead import store_for
+
     engine.reset_cache()
+    store_for(engine).clear()
     ids: list[int] = []
     stats = None
     t0 = time.perf_counter()
