@@ -1,4 +1,4 @@
-"""`codespec train-model`: train the embedded code model from scratch.
+"""`codespec train-model`: train the embedded code model from scratch (or fine-tune it).
 
 Owns: the training corpus (the running interpreter's standard-library sources,
 with every ``test`` / ``tests`` folder held out, ``Lib/test`` being the
@@ -6,6 +6,11 @@ evaluation set), the byte-level BPE tokenizer with FIM special tokens, the
 sample builder (a mix of prefix-suffix-middle FIM and left-to-right samples),
 the training loop (seeded, resumable checkpoints, progress bar) and the export
 of the shipped model (config + fp16 safetensors + tokenizer.json).
+
+``--init-from MODEL_DIR --copy-rate R`` fine-tunes an exported model, a share R
+of the samples in the layout of an edit prompt (``completion.edit_prompt``: the
+region's old text or a prediction ends the prefix, the region is the middle),
+and reports the held-out top-1 accuracy of those middles before and after.
 
 ``--tokenizer MODEL_DIR`` reuses that model's tokenizer files verbatim instead of
 training a BPE, so a model trained that way (a draft model for speculative
@@ -64,6 +69,8 @@ class TrainConfig:
     eval_windows: int = 48
     threads: int = 0
     tokenizer: str = ""  # a model folder whose tokenizer files to reuse; "" trains a BPE
+    init_from: str = ""  # fine-tune: start from this HF checkpoint folder (and its tokenizer)
+    copy_rate: float = 0.0  # share of samples in the edit-prompt layout (SampleBuilder._copy)
 
 
 def stdlib_root() -> Path:
@@ -230,13 +237,64 @@ class SampleBuilder:
             ids[EOT],
         ]
 
+    def _copy(self, rng: random.Random, text: str, edited: bool | None = None) -> list[int]:
+        """A sample in the layout of ``completion.edit_prompt``: the region's draft ends
+        the prefix, the middle is the region. The draft is the region itself or, with
+        ``edited`` (60% when None), the region after 1-3 line edits (what an old version
+        or a sketch of the new code looks like), so the model learns to follow the draft
+        where it agrees with the code and to leave it where it does not."""
+        lines = text.splitlines(keepends=True)
+        if len(lines) < 8:
+            return self._fim(rng, text)
+        n = rng.randint(3, min(40, len(lines) - 2))
+        a = rng.randrange(0, len(lines) - n + 1)
+        region = lines[a : a + n]
+        if edited is None:
+            edited = rng.random() < 0.6
+        draft = "".join(self._edit_lines(rng, region, lines) if edited else region)
+        before, mid, after = "".join(lines[:a]), "".join(region), "".join(lines[a + n :])
+        copy = draft if draft.endswith("\n") or not draft else draft + "\n"
+        ids = self.ids
+        return [
+            ids[FIM_PREFIX],
+            *self._enc(before + copy),
+            ids[FIM_SUFFIX],
+            *self._enc(after),
+            ids[FIM_MIDDLE],
+            *self._enc(mid),
+            ids[EOT],
+        ]
+
+    @staticmethod
+    def _edit_lines(rng: random.Random, region: list[str], pool: list[str]) -> list[str]:
+        out = list(region)
+        for _ in range(rng.randint(1, 3)):
+            kind = rng.randrange(4)
+            i = rng.randrange(len(out))
+            if kind == 0 and len(out) > 1:
+                del out[i]  # a line the new version added
+            elif kind == 1:
+                out.insert(i, rng.choice(pool))  # a line the new version removed
+            elif kind == 2:
+                words = out[i].split(" ")
+                j = rng.randrange(len(words))
+                words[j] = rng.choice(rng.choice(pool).split(" ") or [""])
+                out[i] = " ".join(words)  # a changed line
+                if not out[i].endswith("\n"):
+                    out[i] += "\n"
+            elif i + 1 < len(out):
+                out[i], out[i + 1] = out[i + 1], out[i]
+        return out
+
     def row(self, step: int, index: int) -> list[int]:
         rng = random.Random(f"{self.cfg.seed}/{step}/{index}")
         need = self.cfg.seq_len + 1
         out: list[int] = []
         while len(out) < need:
             text = self._window(rng)
-            if rng.random() < self.cfg.fim_rate:
+            if self.cfg.copy_rate and rng.random() < self.cfg.copy_rate:
+                piece = self._copy(rng, text)
+            elif rng.random() < self.cfg.fim_rate:
                 piece = self._fim(rng, text)
             else:
                 piece = [*self._enc(text), self.ids[EOT]]
@@ -280,6 +338,40 @@ def evaluate(model, windows: list[list[int]], batch: int = 4) -> tuple[float, fl
             total += target.numel()
     model.train()
     return total_loss / max(total, 1), total_correct / max(total, 1)
+
+
+def copy_samples(builder: SampleBuilder, texts: list[str], count: int, seed: int, edited: bool):
+    """Held-out samples in the edit layout, each with the index where its middle starts."""
+    rng = random.Random(seed)
+    mid_id = builder.ids[FIM_MIDDLE]
+    samples = []
+    for _ in range(count * 4):
+        text = texts[rng.randrange(len(texts))][:2500]
+        if text.count("\n") < 8:
+            continue
+        ids = builder._copy(rng, text, edited=edited)
+        if mid_id in ids and len(ids) <= builder.cfg.seq_len + 1:
+            samples.append((ids, ids.index(mid_id)))
+        if len(samples) == count:
+            break
+    return samples
+
+
+def copy_accuracy(model, samples: list[tuple[list[int], int]]) -> float:
+    """Teacher-forced top-1 accuracy of the middle tokens (the region the model rewrites)."""
+    import torch
+
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for ids, start in samples:
+            x = torch.tensor([ids])
+            pred = model(x[:, :-1]).logits[0].argmax(-1)  # (T,)
+            target = x[0, 1:]
+            correct += (pred[start:] == target[start:]).sum().item()
+            total += len(ids) - 1 - start
+    model.train()
+    return correct / max(total, 1)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -361,8 +453,25 @@ def train(cfg: TrainConfig, resume: bool = False, export_dir: str | None = None)
         f"{len(heldout_texts)} held-out files from {stdlib_root() / 'test'}",
         flush=True,
     )
+    if cfg.init_from and not cfg.tokenizer:
+        cfg.tokenizer = cfg.init_from  # a fine-tune keeps the model's vocabulary
     tok = load_tokenizer(cfg, out, train_texts)
     model = build_model(cfg, tok)
+    before: dict[str, float] = {}
+    copy_sets: dict[str, list[tuple[list[int], int]]] = {}
+    if cfg.copy_rate:
+        probe = SampleBuilder(tok, heldout_texts, cfg)
+        for kind, edited in (("exact", False), ("edited", True)):
+            copy_sets[kind] = copy_samples(probe, heldout_texts, 24, cfg.seed + 1, edited)
+    if cfg.init_from:
+        from transformers import AutoModelForCausalLM
+
+        src = AutoModelForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        model.load_state_dict(src.state_dict())
+        for kind, samples in copy_sets.items():
+            before[kind] = copy_accuracy(model, samples)
+        if before:
+            print(f"copy top-1 before fine-tuning: {before}", flush=True)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
@@ -418,6 +527,12 @@ def train(cfg: TrainConfig, resume: bool = False, export_dir: str | None = None)
         f"({metrics['heldout_tokens']} tokens); {params / 1e6:.1f}M parameters",
         flush=True,
     )
+    if copy_sets:
+        after = {kind: round(copy_accuracy(model, s), 4) for kind, s in copy_sets.items()}
+        metrics["heldout_copy_top1"] = after
+        if before:
+            metrics["heldout_copy_top1_before"] = {k: round(v, 4) for k, v in before.items()}
+        print(f"held-out edit-layout middles, top-1: {after} (before: {before})", flush=True)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     if export_dir:
         export(model, tok, Path(export_dir), metrics, out if cfg.tokenizer else None)

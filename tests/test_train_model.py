@@ -72,3 +72,46 @@ def test_train_resume_and_export(tmp_path: Path, capsys):
     engine = Engine(export, runner="hf")
     _text, stats = engine.generate(engine.encode("def f():\n"), GenParams(max_tokens=3))
     assert stats.tokens >= 1
+
+
+def test_copy_samples_use_the_edit_prompt_layout():
+    """A fine-tuning sample in the edit layout: the prefix ends with the region's draft
+    (the region itself, or edited), the middle is the region; copy_rate 0 draws nothing
+    extra, so the shipped model's sample stream is unchanged."""
+    import random
+
+    train, _ = train_model.collect_sources()
+    texts = train_model.read_texts(train[:30])
+    tok = train_model.train_tokenizer(texts, 600)
+    b = train_model.SampleBuilder(tok, texts, train_model.TrainConfig(seq_len=64))
+    base = [b.row(s, 0) for s in range(5)]
+    c = train_model.SampleBuilder(tok, texts, train_model.TrainConfig(seq_len=64, copy_rate=0.0))
+    assert [c.row(s, 0) for s in range(5)] == base
+    ids = {k: tok.token_to_id(k) for k in train_model.SPECIAL_TOKENS}
+    text = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(10))
+    for edited in (False, True):
+        sample = b._copy(random.Random(3), text, edited=edited)
+        pre = sample[1 : sample.index(ids[train_model.FIM_SUFFIX])]
+        mid = sample[sample.index(ids[train_model.FIM_MIDDLE]) + 1 : -1]
+        assert sample[0] == ids[train_model.FIM_PREFIX] and sample[-1] == ids[train_model.EOT]
+        region = tok.decode(mid)
+        assert region and region in text
+        if not edited:
+            assert tok.decode(pre).endswith(region)  # the draft is the region itself
+
+
+def test_fine_tune_from_an_export_reports_copy_accuracy(tmp_path: Path, capsys):
+    out, export = tmp_path / "run", tmp_path / "export"
+    assert (
+        train_model.main(["--out", str(out), "--steps", "1", "--export", str(export), *TINY]) == 0
+    )
+    tuned = tmp_path / "tuned"
+    args = ["--out", str(tmp_path / "ft"), "--steps", "1", "--export", str(tuned), *TINY]
+    assert train_model.main([*args, "--init-from", str(export), "--copy-rate", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "copy top-1 before fine-tuning" in printed
+    import json
+
+    metrics = json.loads((tuned / "training.json").read_text())
+    assert set(metrics["heldout_copy_top1"]) == {"exact", "edited"}
+    assert (tuned / "tokenizer.json").read_bytes() == (export / "tokenizer.json").read_bytes()
