@@ -20,6 +20,9 @@ Each step:
    ``1 / (cost(1) + overhead)``. The draft is taken unless it is worth less
    than :data:`NGRAM_TRUST` of a plain step; then the n-gram proposer is told
    (``declined``) and backs off for 1, 2, 4, ... steps, sparing its lookups.
+   A model proposer whose measured rate beats the draft's worth by :data:`MARGIN`
+   takes the step instead (a short match's draft is often worth less than what
+   a draft model makes of the step).
 2. Otherwise each model proposer the engine's model has (EAGLE when a head is
    loaded, Medusa heads, a draft model, and lookahead, which needs nothing) is
    valued at its realised tokens per ms over the steps it was in charge (mean
@@ -331,7 +334,10 @@ class AutoProposer:
                 best, best_value = "ngram", max(value, best_value)
             elif hasattr(self.ngram.p, "declined"):  # it backs off: no lookups for a while
                 self.ngram.p.declined()
-        model = self._pick_model(best_value) if best == "plain" else None
+        if best == "plain":
+            model = self._pick_model(best_value)
+        else:  # a measured model proposer still takes a step this n-gram draft is worth less
+            model = self._measured_rival(best_value)
         if model is not None:
             best = model
         self.choice = best
@@ -485,6 +491,16 @@ class AutoProposer:
                 self.trial = (name, TRIAL_STEPS - 1)
                 return name
         return None
+
+    def _measured_rival(self, value: float) -> str | None:
+        """The model proposer whose measured rate beats ``value`` by :data:`MARGIN`, if any
+        (no trials here: an n-gram draft stands unless a measured figure says otherwise)."""
+        best, best_rate = None, value * (1 + MARGIN)
+        for name in self.models:
+            rate = self._figure("rate", name)
+            if rate is not None and rate > best_rate:
+                best, best_rate = name, rate
+        return best
 
     def _restart(self, child: _Child, context: Sequence[int]) -> None:
         """Bring a child that missed steps back in step with the context."""

@@ -224,3 +224,21 @@ def test_a_far_loser_retires_and_comes_back_for_one_trial(engine):
     run(engine, prompt, again)
     assert again.choices["eagle"] == TRIAL_STEPS  # one fresh trial
     assert store.pause["eagle"] == 2 * FIRST_PAUSE  # and a longer pause after it
+
+
+def test_a_measured_model_proposer_beats_a_weaker_ngram_draft(engine):
+    """When the n-gram proposer has a draft but a model proposer's measured rate is higher
+    by the margin, the model proposer takes the step (before, any n-gram draft worth 80%
+    of a plain step was taken)."""
+    prompt = engine.encode(REPEAT)
+    engine.reset_cache()
+    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=60)) for t in d.token_ids]
+    store = PolicyStore(costs(0.3))
+    greedy = store.engine_wide.setdefault("greedy", Book())
+    greedy.tokens["lookahead"], greedy.ms["lookahead"] = Avg(40.0, 8), Avg(1.0, 8)
+    good = Positional(oracle, "correct", engine.runner.vocab_size)
+    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), {"lookahead": good}, store)
+    out, _stats = run(engine, prompt, auto)
+    assert out == plain(engine, prompt)
+    assert auto.choices.get("lookahead", 0) > 0
+    assert auto.choices.get("ngram", 0) == 0
