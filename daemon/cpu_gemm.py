@@ -142,6 +142,13 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def _required() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
+    return lib
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`library` is ``None`` (``None`` when the kernel is loaded)."""
     library()
@@ -180,9 +187,7 @@ def mm(
     The sum over ``in`` comes first, then ``bias``, then ``res`` (all fp32).
     ``threads`` defaults to torch's intra-op threads for ``M >= THREADED_ROWS``, else 1.
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
+    lib = _required()
     npanel, k, _ = p.shape
     n = npanel * PANEL
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
@@ -221,9 +226,7 @@ def mm(
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm of the rows of ``x`` (M, H) with weight ``w`` (H,), by the kernel."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
+    lib = _required()
     if x.dim() != 2 or x.dtype != torch.float32 or w.shape != (x.shape[1],):
         raise ValueError(f"rms_norm wants (M, H) fp32 rows and an (H,) weight: {tuple(x.shape)}")
     if x.stride(1) != 1:
@@ -252,9 +255,7 @@ def attention(
     are written. New token i sees every cached key and new key j when
     ``allowed[i, j]`` (``None``: a chain, j <= i). Returns (KV, R, D).
     """
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
+    lib = _required()
     nkv, rows, d = q.shape
     if t < 1 or rows % t or d % 8 or d > 256 or q.dtype != torch.float32:
         raise ValueError(f"attention wants fp32 (KV, t*G, D) queries, D % 8 == 0: {q.shape}")
