@@ -226,6 +226,10 @@ class SampleBuilder:
         else:
             i, j = sorted(rng.randrange(0, len(text) + 1) for _ in range(2))
             pre, mid, suf = text[:i], text[i:j], text[j:]
+        return self._psm(pre, suf, mid)
+
+    def _psm(self, pre: str, suf: str, mid: str) -> list[int]:
+        """One prefix-suffix-middle sample, ended by the end-of-text token."""
         ids = self.ids
         return [
             ids[FIM_PREFIX],
@@ -254,16 +258,7 @@ class SampleBuilder:
         draft = "".join(self._edit_lines(rng, region, lines) if edited else region)
         before, mid, after = "".join(lines[:a]), "".join(region), "".join(lines[a + n :])
         copy = draft if draft.endswith("\n") or not draft else draft + "\n"
-        ids = self.ids
-        return [
-            ids[FIM_PREFIX],
-            *self._enc(before + copy),
-            ids[FIM_SUFFIX],
-            *self._enc(after),
-            ids[FIM_MIDDLE],
-            *self._enc(mid),
-            ids[EOT],
-        ]
+        return self._psm(before + copy, after, mid)
 
     @staticmethod
     def _edit_lines(rng: random.Random, region: list[str], pool: list[str]) -> list[str]:
