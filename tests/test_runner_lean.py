@@ -151,6 +151,18 @@ def test_tree_siblings_and_keep_non_prefix_path(pair) -> None:
     _close(lean, hf, _ids(3, 11))  # and a chain after the compacted path
 
 
+def test_two_token_forwards(pair) -> None:
+    """Two-token chains and two sibling roots (the runner's small-forward attention path)."""
+    lean, hf = pair
+    _close(lean, hf, _ids(9, 21))
+    _close(lean, hf, _ids(2, 22))  # a chain
+    _close(lean, hf, _ids(2, 23), [-1, -1])  # siblings: the second must not see the first
+    lean.keep([1])
+    hf.keep([1])
+    _close(lean, hf, _ids(2, 24), [-1, 0])
+    _close(lean, hf, [5])
+
+
 def test_keep_prefix_path(pair) -> None:
     """keep() of a prefix of a chain only moves the length."""
     lean, hf = pair

@@ -105,7 +105,99 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-constexpr int64_t KEY_BLOCK = 64;
+// scores[r][s] = q_r . k_s * scale for RG rows, four keys at a time: 4 x RG
+// accumulators, each key chunk loaded once for every row.
+template <int RG>
+inline void score_rows(const float* const* qr, const float* kh, int64_t D, int64_t total,
+                       float scale, float* const* sr) {
+  int64_t s = 0;
+  for (; s + 4 <= total; s += 4) {
+    __m256 acc[RG][4];
+    for (int r = 0; r < RG; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 qv[RG];
+      for (int r = 0; r < RG; ++r) qv[r] = _mm256_loadu_ps(qr[r] + c);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kv = _mm256_loadu_ps(kh + (s + j) * D + c);
+        for (int r = 0; r < RG; ++r) acc[r][j] = _mm256_fmadd_ps(qv[r], kv, acc[r][j]);
+      }
+    }
+    const __m128 sc = _mm_set1_ps(scale);
+    for (int r = 0; r < RG; ++r) {
+      const __m256 t0 = _mm256_hadd_ps(acc[r][0], acc[r][1]);
+      const __m256 t1 = _mm256_hadd_ps(acc[r][2], acc[r][3]);
+      const __m256 t2 = _mm256_hadd_ps(t0, t1);
+      const __m128 four =
+          _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1));
+      _mm_storeu_ps(sr[r] + s, _mm_mul_ps(four, sc));
+    }
+  }
+  for (; s < total; ++s) {
+    for (int r = 0; r < RG; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t c = 0; c < D; c += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr[r] + c), _mm256_loadu_ps(kh + s * D + c), acc);
+      sr[r][s] = hsum(acc) * scale;
+    }
+  }
+}
+
+// In place: scores -> softmax weights (-inf scores get weight 0).
+inline void softmax_row(float* sr, int64_t total) {
+  float mx = -INFINITY;
+  for (int64_t s = 0; s < total; ++s) mx = sr[s] > mx ? sr[s] : mx;
+  const __m256 mv = _mm256_set1_ps(mx);
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t s = 0;
+  for (; s + 8 <= total; s += 8) {
+    const __m256 x = _mm256_loadu_ps(sr + s);
+    const __m256 keep = _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ);
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, mv)), keep);
+    _mm256_storeu_ps(sr + s, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float tail = 0.0f;
+  for (; s < total; ++s) {
+    const float e = sr[s] == -INFINITY ? 0.0f : __builtin_expf(sr[s] - mx);
+    sr[s] = e;
+    tail += e;
+  }
+  const float inv = 1.0f / (hsum(sum) + tail);
+  for (int64_t i = 0; i < total; ++i) sr[i] *= inv;
+}
+
+// out[r] = sum_s p[r][s] * v_s for RG rows, 32 columns at a time: RG x 4 accumulators,
+// each value chunk loaded once for every row.
+template <int RG>
+inline void weigh_rows(const float* const* pr, const float* vh, int64_t D, int64_t total,
+                       float* const* orow) {
+  for (int64_t c0 = 0; c0 < D; c0 += 32) {
+    const int nc = D - c0 >= 32 ? 4 : static_cast<int>((D - c0) / 8);
+    __m256 acc[RG][4];
+    for (int r = 0; r < RG; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < total; ++s) {
+      __m256 p[RG];
+      for (int r = 0; r < RG; ++r) p[r] = _mm256_broadcast_ss(pr[r] + s);
+      const float* vs = vh + s * D + c0;
+      if (nc == 4) {
+        for (int c = 0; c < 4; ++c) {
+          const __m256 vv = _mm256_loadu_ps(vs + 8 * c);
+          for (int r = 0; r < RG; ++r) acc[r][c] = _mm256_fmadd_ps(p[r], vv, acc[r][c]);
+        }
+      } else {
+        for (int c = 0; c < nc; ++c) {
+          const __m256 vv = _mm256_loadu_ps(vs + 8 * c);
+          for (int r = 0; r < RG; ++r) acc[r][c] = _mm256_fmadd_ps(p[r], vv, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < RG; ++r)
+      for (int c = 0; c < nc; ++c) _mm256_storeu_ps(orow[r] + c0 + 8 * c, acc[r][c]);
+  }
+}
 
 }  // namespace
 
@@ -117,85 +209,50 @@ extern "C" {
 // S_max * D) holding past + T keys; query t sees every key s < past and new key
 // past + j when allowed[t * T + j] (allowed == nullptr: a chain, j <= t).
 // scores: scratch of R * (past + T) floats. out (KV, R, D). D % 8 == 0, D <= 256.
+// Rows are taken three at a time (the G query heads of a kv head, for Llama-style
+// GQA), so each key and value row is read once for all three.
 void cs_attention(const float* q, int64_t KV, int64_t R, int64_t G, int64_t D, const float* k,
                   const float* v, int64_t head_stride, int64_t past, int64_t T,
                   const uint8_t* allowed, float scale, float* scores, float* out) {
   const int64_t total = past + T;
-  const int64_t DV = D / 8;
   for (int64_t h = 0; h < KV; ++h) {
     const float* qh = q + h * R * D;
     const float* kh = k + h * head_stride;
     const float* vh = v + h * head_stride;
     float* oh = out + h * R * D;
-    // scores, one key block at a time so that the block stays in L1 for every row
-    for (int64_t s0 = 0; s0 < total; s0 += KEY_BLOCK) {
-      const int64_t s1 = s0 + KEY_BLOCK < total ? s0 + KEY_BLOCK : total;
-      for (int64_t r = 0; r < R; ++r) {
-        const float* qr = qh + r * D;
-        float* sr = scores + r * total;
-        const int64_t t = r / G;
-        for (int64_t s = s0; s < s1; ++s) {
-          if (s >= past) {
-            const int64_t j = s - past;
-            const bool seen = allowed ? allowed[t * T + j] != 0 : j <= t;
-            if (!seen) {
-              sr[s] = -INFINITY;
-              continue;
-            }
-          }
-          const float* ks = kh + s * D;
-          __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(ks));
-          for (int64_t c = 1; c < DV; ++c)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * c), _mm256_loadu_ps(ks + 8 * c), acc);
-          sr[s] = hsum(acc) * scale;
+    for (int64_t r0 = 0; r0 < R; r0 += 3) {
+      const int rg = R - r0 < 3 ? static_cast<int>(R - r0) : 3;
+      const float* qr[3];
+      float* sr[3];
+      float* orow[3];
+      for (int i = 0; i < rg; ++i) {
+        qr[i] = qh + (r0 + i) * D;
+        sr[i] = scores + (r0 + i) * total;
+        orow[i] = oh + (r0 + i) * D;
+      }
+      switch (rg) {
+        case 1: score_rows<1>(qr, kh, D, total, scale, sr); break;
+        case 2: score_rows<2>(qr, kh, D, total, scale, sr); break;
+        default: score_rows<3>(qr, kh, D, total, scale, sr); break;
+      }
+      for (int i = 0; i < rg; ++i) {  // the new keys a row may not see
+        const int64_t t = (r0 + i) / G;
+        for (int64_t j = 0; j < T; ++j) {
+          const bool seen = allowed ? allowed[t * T + j] != 0 : j <= t;
+          if (!seen) sr[i][past + j] = -INFINITY;
         }
+        softmax_row(sr[i], total);
       }
-    }
-    // softmax per row (masked keys get weight 0)
-    for (int64_t r = 0; r < R; ++r) {
-      float* sr = scores + r * total;
-      float mx = -INFINITY;
-      for (int64_t s = 0; s < total; ++s) mx = sr[s] > mx ? sr[s] : mx;
-      const __m256 mv = _mm256_set1_ps(mx);
-      const __m256 ninf = _mm256_set1_ps(-INFINITY);
-      __m256 sum = _mm256_setzero_ps();
-      int64_t s = 0;
-      for (; s + 8 <= total; s += 8) {
-        const __m256 x = _mm256_loadu_ps(sr + s);
-        const __m256 keep = _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ);
-        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, mv)), keep);
-        _mm256_storeu_ps(sr + s, e);
-        sum = _mm256_add_ps(sum, e);
-      }
-      float tail = 0.0f;
-      for (; s < total; ++s) {
-        const float e = sr[s] == -INFINITY ? 0.0f : __builtin_expf(sr[s] - mx);
-        sr[s] = e;
-        tail += e;
-      }
-      const float inv = 1.0f / (hsum(sum) + tail);
-      for (int64_t i = 0; i < total; ++i) sr[i] *= inv;
-    }
-    // weighted values, again one key block at a time
-    for (int64_t r = 0; r < R * D; ++r) oh[r] = 0.0f;
-    for (int64_t s0 = 0; s0 < total; s0 += KEY_BLOCK) {
-      const int64_t s1 = s0 + KEY_BLOCK < total ? s0 + KEY_BLOCK : total;
-      for (int64_t r = 0; r < R; ++r) {
-        const float* pr = scores + r * total;
-        float* orow = oh + r * D;
-        for (int64_t c = 0; c < DV; ++c) {
-          __m256 acc = _mm256_loadu_ps(orow + 8 * c);
-          for (int64_t s = s0; s < s1; ++s) {
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(pr[s]), _mm256_loadu_ps(vh + s * D + 8 * c), acc);
-          }
-          _mm256_storeu_ps(orow + 8 * c, acc);
-        }
+      switch (rg) {
+        case 1: weigh_rows<1>(sr, vh, D, total, orow); break;
+        case 2: weigh_rows<2>(sr, vh, D, total, orow); break;
+        default: weigh_rows<3>(sr, vh, D, total, orow); break;
       }
     }
   }
 }
 
-int cs_gemm_version() { return 3; }
+int cs_gemm_version() { return 4; }
 
 // y = x / sqrt(mean(x^2) + eps) * w per row (RMSNorm as Llama computes it, in fp32).
 // torch's rms_norm costs ~15-30 us of dispatch for one 384-wide row here; this ~1 us.
