@@ -14,8 +14,8 @@ Why it exists: on this project's CPUs (AMD EPYC, torch's MKL, fp32) a product wi
 draft of k tokens costs nearly k decode steps and speculation cannot pay. The
 kernel reads each weight panel once for up to four rows and so costs about one
 row's time for M <= 4 (see the measurements in the README, "Benchmarks").
-Each output is summed in the same order whatever the number of rows, so the
-rows of a verify forward equal, bit for bit, what one-row decode steps give.
+Each output is summed in the same order whatever the number of rows, so a
+product's rows equal, bit for bit, what one-row calls give.
 
 When the kernel cannot be used (not x86-64 with AVX2 and FMA, no compiler, a
 failed build, ``CODESPEC_CPU_KERNELS=0``) :func:`library` returns ``None``,

@@ -49,9 +49,10 @@ picks it when it builds, ``False`` keeps torch's products), every weight is
 repacked once into ``cpu_gemm`` panels and every product goes through that
 kernel. MKL costs about M one-row products for M = 2 .. 8 rows here, the kernel
 about one for M <= 4, so verifying a small draft is cheap; and its rows do not
-depend on the other rows of a call, so a verify forward's logits equal the
-decode steps' bit for bit (``codespec bench runner`` shows lean vs torch). A
-decode step's attention and every RMSNorm go through the same library.
+depend on the other rows of a call (``codespec bench runner`` shows lean vs
+torch). Every RMSNorm, and the attention of forwards of at most
+``KERNEL_ATTENTION_ROWS`` tokens, go through the same library; larger forwards
+keep SDPA, so their logits are not bit-equal to decode steps'.
 
 Devices: fp32 on the CPU, bf16 on CUDA (``dtype`` overrides), the same code on
 both; CUDA gets SDPA's fused kernels for the explicit masks. ``compile=True``

@@ -6,7 +6,7 @@
 // the most this register file holds without spilling (5 or 6 rows measured slower).
 // Each output element is summed over k = 0 .. K-1 in order with one FMA per step,
 // whatever M is, so a row's result does not depend on which other rows share the
-// call: a verify forward computes bit for bit what a decode step would.
+// call.
 //
 // MKL's sgemm spends about M times a one-row product for M = 2 .. 8 on this kind of
 // CPU; this kernel reads the weights once for up to four rows, which is what makes
