@@ -68,10 +68,11 @@ run ended by a probing step with the window. ``min_yield = 0`` keeps it on
 
 Defaults (W = 2, N = 4, G = 2, min_yield = 0.1) from ``codespec bench lookahead
 /tmp/wl/novel.jsonl --threads 1 --grid ...`` on the embedded model (2-core CPU)
-with the cpu_gemm kernel: 2,4,2 gave 1.28x vs off, 4,4,2 1.21x, the earlier
-4,6,2 1.19x (fewer forwards, 2.53 tokens each, but each verify larger). The
-pool's hits dominate there; the window's own acceptance is near zero, so it
-mostly sleeps (W = 0, the pool alone, gave 1.34x).
+with the cpu_gemm kernels, empty pools for every decode: 2,4,2 gave 1.20x vs
+off, the earlier default 4,6,2 1.08x (fewer forwards, but each verify larger),
+one window column 1.23x, the pool alone (W = 0) 1.25x. The pool's hits are all
+there is on that CPU; the window's own acceptance is near zero, so it mostly
+sleeps.
 """
 
 from __future__ import annotations

@@ -83,3 +83,20 @@ def test_a_timed_decode_does_not_inherit_lookahead_pools(engine):
     runs = [run_engine(engine, "lookahead", prompt, 48, None, "file:///same.py") for _ in range(2)]
     assert runs[0].ids == runs[1].ids
     assert runs[0].forwards == runs[1].forwards
+
+
+def test_lookahead_grid_decodes_each_prompt_with_empty_pools(tmp_path, capsys):
+    """The same prompt twice, without a uri, costs twice one decode's forwards: the
+    second decode must not draft from a pool the first one filled with its output."""
+    item = {"id": "p", "prompt": "class Stack:\n    def __init__(self):\n", "max_tokens": 40}
+
+    def forwards(copies: int) -> int:
+        wl = tmp_path / f"w{copies}.jsonl"
+        wl.write_text("\n".join(json.dumps(item) for _ in range(copies)))
+        assert dispatch(["lookahead", str(wl), "--grid", "2,4,2"]) == 0
+        rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+        (row,) = [r for r in rows if r["config"] == "2,4,2"]
+        assert row["equal_to_off"] == copies
+        return row["target_forwards"]
+
+    assert forwards(2) == 2 * forwards(1)

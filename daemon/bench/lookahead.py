@@ -137,20 +137,20 @@ def main(argv: list[str] | None = None) -> int:
         items = items[: args.limit]
     prompts = [build_prompt(engine, it, args.max_tokens, "none", args.context) for it in items]
     names = ["off", *grid]
-    stores = {name: PoolStore() for name in names[1:]}
 
     def proposer(name: str) -> LookaheadProposer | None:
         if name == "off":
             return None
-        return LookaheadProposer(store=stores[name], **config(name))
+        # empty pools for every timed decode, as decode_once gives the engine's store:
+        # prompts without a uri would otherwise share one pool across the workload
+        return LookaheadProposer(store=PoolStore(), **config(name))
 
     def one(name: str, k: int) -> tuple[list[int], Any, float]:
         prompt, max_tokens, _ = prompts[k]
         return run_one(engine, prompt, max_tokens, proposer(name), items[k].get("uri"))
 
-    for name in names:  # warm-up, not timed; then every configuration starts with empty pools
+    for name in names:  # warm-up, not timed
         one(name, 0)
-    stores = {name: PoolStore() for name in names[1:]}
     accs = {name: Acc() for name in names}
     for k, item in enumerate(items):
         order = names[k % len(names) :] + names[: k % len(names)]
