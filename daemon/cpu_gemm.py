@@ -40,7 +40,7 @@ from codespec.daemon.config import default_state_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "gemm.cpp"
 PANEL = 16  # output columns per packed panel (two AVX2 vectors)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
 THREADED_ROWS = 32  # from this many rows on, a product is split across torch's threads
 
 _lock = threading.Lock()

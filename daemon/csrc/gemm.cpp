@@ -16,8 +16,6 @@
 
 #include <cmath>
 
-#include <thread>
-#include <vector>
 
 namespace {
 
@@ -283,8 +281,10 @@ void cs_rmsnorm(const float* x, int64_t M, int64_t H, int64_t ldx, const float* 
   }
 }
 
-// threads > 1 splits the panels between that many threads (started per call, so
-// only worth it for large M: the caller decides).
+// threads > 1 splits the panels between that many OpenMP threads. The library is
+// built with -fopenmp and loaded after torch, so it shares torch's libgomp and its
+// thread pool: threads of its own would fight torch's spinning workers for the cores
+// (a 1,024-token prefill on 2 cores took 189 ms that way, 125 ms this way).
 void cs_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const float* P, int64_t N,
              float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr,
              int64_t threads) {
@@ -294,18 +294,12 @@ void cs_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const float* P, 
     return;
   }
   if (threads > npanel) threads = npanel;
-  std::vector<std::thread> pool;
-  int64_t start = 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t t = 0; t < threads; ++t) {
+    const int64_t start = (npanel * t / threads) * 16;
     const int64_t stop = (npanel * (t + 1) / threads) * 16;
-    if (t + 1 == threads) {
-      panels(x, M, K, ldx, P, start, stop, y, ldy, bias, res, ldr);
-    } else {
-      pool.emplace_back(panels, x, M, K, ldx, P, start, stop, y, ldy, bias, res, ldr);
-    }
-    start = stop;
+    panels(x, M, K, ldx, P, start, stop, y, ldy, bias, res, ldr);
   }
-  for (auto& th : pool) th.join();
 }
 
 }  // extern "C"
