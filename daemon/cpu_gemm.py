@@ -17,6 +17,11 @@ row's time for M <= 4 (see the measurements in the README, "Benchmarks").
 Each output is summed in the same order whatever the number of rows, so a
 product's rows equal, bit for bit, what one-row calls give.
 
+Threads: products of at least :data:`THREADED_ROWS` rows are split by output
+panels over OpenMP threads (``torch.get_num_threads()`` of them). The library is
+built with ``-fopenmp`` and loaded after torch, whose bundled ``libgomp.so.1``
+then serves it too: one thread pool for both, no oversubscription.
+
 When the kernel cannot be used (not x86-64 with AVX2 and FMA, no compiler, a
 failed build, ``CODESPEC_CPU_KERNELS=0``) :func:`library` returns ``None``,
 :func:`unavailable_reason` says why, and the runner keeps torch's products.
