@@ -6,8 +6,9 @@ Three kernels: :func:`mm` (products of a few rows with packed weights), :func:`a
 
 Owns building that kernel (once per machine, with the system C++ compiler, into
 :func:`kernel_dir`), loading it with ``ctypes``, the packed weight layout it
-reads, and the one call the lean runner makes, :func:`mm`. It must not know
-anything about models: callers hand it plain tensors.
+reads, and the calls the lean runner and the EAGLE head make (:func:`linear`,
+:func:`norm`, :func:`attention`). It must not know anything about models:
+callers hand it plain tensors.
 
 Why it exists: on this project's CPUs (AMD EPYC, torch's MKL, fp32) a product with
 2 to 8 rows costs MKL about that many times a one-row product, so verifying a
@@ -40,6 +41,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from codespec.daemon.config import default_state_dir
 
@@ -70,8 +72,9 @@ def _cpu_flags() -> set[str]:
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        found = shutil.which(name) if name else None
+        if found:
+            return found
     return None
 
 
@@ -247,6 +250,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def norm(x: torch.Tensor, w: torch.Tensor, eps: float, kernel: bool) -> torch.Tensor:
+    """RMSNorm of the rows of ``x``: by :func:`rms_norm` when ``kernel``, else torch's."""
+    return rms_norm(x, w, eps) if kernel else F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -330,6 +338,7 @@ __all__ = [
     "linear",
     "maybe_pack",
     "mm",
+    "norm",
     "pack",
     "packable",
     "rms_norm",

@@ -297,34 +297,27 @@ class LeanRunner:
 
     def _use_kernels(self, wanted: bool | None, compile: bool) -> bool:
         """Whether products go through ``cpu_gemm`` (auto: fp32 on the CPU, not compiled)."""
-        fits = self.device.type == "cpu" and self.dtype == torch.float32
-        if wanted is False or (wanted is None and (compile or not fits)):
+        if wanted is False or (wanted is None and compile):
             return False
-        if not fits:
+        if cpu_gemm.usable(self.device, self.dtype):
+            return True
+        if not wanted:
+            return False
+        if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ValueError("the CPU kernels need fp32 weights on the CPU")
-        if cpu_gemm.library() is None:
-            if wanted:
-                raise RuntimeError(f"CPU kernels unavailable: {cpu_gemm.unavailable_reason()}")
-            return False
-        return True
+        raise RuntimeError(f"CPU kernels unavailable: {cpu_gemm.unavailable_reason()}")
 
     def _pack(self) -> None:
         """Replace every ``(in, out)`` weight by its ``cpu_gemm`` panels (no extra copy kept)."""
 
         def p(w: torch.Tensor) -> torch.Tensor:
-            return cpu_gemm.maybe_pack(w, True)
+            return cpu_gemm.maybe_pack(w, use=True)
 
         self.lm_head_t = p(self.lm_head_t)
         self.layers = [
             (ln1, p(wqkv), bqkv, p(wo), bo, ln2, p(wgu), bgu, p(wd), bd)
             for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in self.layers
         ]
-
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of the rows of ``x`` (T, H): the kernel's when products use it."""
-        if self.kernels:
-            return cpu_gemm.rms_norm(x, w, self.eps)
-        return F.rms_norm(x, (self.hidden_size,), w, self.eps)
 
     def project(self, normed: torch.Tensor) -> torch.Tensor:
         """LM-head logits of final-normed hidden states ``(T, H)``."""
@@ -441,7 +434,7 @@ class LeanRunner:
             x = x[-1:]
         elif rows == "none":
             x = x[:0]
-        logits = self.project(self._norm(x, self.norm))
+        logits = self.project(cpu_gemm.norm(x, self.norm, self.eps, self.kernels))
         self._len = total
         return ForwardOut(logits=logits.float(), hidden=hidden)
 
@@ -468,7 +461,7 @@ class LeanRunner:
             hidden[:, j] = x
         for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
             kc, vc = self.kv[i, 0], self.kv[i, 1]  # (KV, S_max, D)
-            a = self._norm(x, ln1)
+            a = cpu_gemm.norm(x, ln1, self.eps, self.kernels)
             a = cpu_gemm.linear(a, wqkv, bqkv, None)  # (T, (NH+2KV)*D)
             qk = a[:, :qk_w].view(n, nh + nkv, d)  # (T, NH+KV, D)
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE
@@ -483,7 +476,7 @@ class LeanRunner:
                 )  # (1, KV, T*G, D)
             o = o.view(nkv, n, g * d).transpose(0, 1).reshape(n, nh * d)  # (T, NH*D)
             x = cpu_gemm.linear(o, wo, bo, x)  # residual fused in
-            gu = self._norm(x, ln2)
+            gu = cpu_gemm.norm(x, ln2, self.eps, self.kernels)
             gu = cpu_gemm.linear(gu, wgu, bgu, None)  # (T, 2I)
             gu = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]  # (T, I)
             x = cpu_gemm.linear(gu, wd, bd, x)

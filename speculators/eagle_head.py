@@ -533,11 +533,6 @@ class HeadRunner:
             raise ValueError(f"cannot truncate a head cache of {self.length} entries to {n}")
         self.length = n
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        if self.kernels:
-            return cpu_gemm.rms_norm(x, w, eps)
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-
     @torch.inference_mode()
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """``(T, 3, h)`` target taps → ``(T, h)``."""
@@ -570,8 +565,8 @@ class HeadRunner:
         nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         eps = cfg.rms_norm_eps
         hid = hidden.to(self.device, self.dtype)
-        e = self._norm(F.embedding(ids_t, self.embed), self.ln_in, eps)
-        hn = self._norm(hid, self.ln_hid, eps)
+        e = cpu_gemm.norm(F.embedding(ids_t, self.embed), self.ln_in, eps, self.kernels)
+        hn = cpu_gemm.norm(hid, self.ln_hid, eps, self.kernels)
         residual = hn if cfg.norm_before_residual else hid
         a = cpu_gemm.linear(torch.cat([e, hn], dim=-1), self.w_qkv)  # (T, (NH+2KV)*D)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (T, 1, D)
@@ -596,11 +591,12 @@ class HeadRunner:
             )  # (1, KV, T*G, D)
         o = o.view(nkv, n, g * d).transpose(0, 1).reshape(n, nh * d)  # (T, NH*D)
         x = cpu_gemm.linear(o, self.w_o, None, residual)
-        gu = cpu_gemm.linear(self._norm(x, self.ln_post, eps), self.w_gu)  # (T, 2I)
+        post = cpu_gemm.norm(x, self.ln_post, eps, self.kernels)
+        gu = cpu_gemm.linear(post, self.w_gu)  # (T, 2I)
         inter = cfg.intermediate_size
         x = cpu_gemm.linear(F.silu(gu[:, :inter]) * gu[:, inter:], self.w_down, None, x)  # (T, h)
         last = x[-1:] if last_only else x
-        logits = cpu_gemm.linear(self._norm(last, self.ln_out, eps), self.w_lm)
+        logits = cpu_gemm.linear(cpu_gemm.norm(last, self.ln_out, eps, self.kernels), self.w_lm)
         self.length = total
         return x, logits.float()
 

@@ -116,11 +116,6 @@ def measure_bandwidth(reps: int = 15) -> dict[str, float]:
     return out
 
 
-def _state_of(hf: HFRunner) -> dict[str, torch.Tensor]:
-    """The HF model's weights, for building a second lean runner over them."""
-    return {k: v.detach() for k, v in hf.model.state_dict().items()}
-
-
 def _timed(runner: Any, ids: list[int], back_to: int) -> float:
     t0 = time.perf_counter()
     runner.forward(ids)
@@ -148,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     lean, hf, desc = build_runners(model_dir, max_length, args.compile, args.seed)
     named: list[tuple[str, Any]] = [("lean", lean), ("hf", hf)]
     if lean.kernels:  # the same runner on torch's products, side by side
-        plain = LeanRunner(
-            lean.config, _state_of(hf), max_length=max_length, compile=args.compile, kernels=False
+        plain = LeanRunner.from_hf_model(
+            hf.model, max_length=max_length, compile=args.compile, kernels=False
         )
         named.insert(1, ("torch", plain))
     bw = measure_bandwidth()
