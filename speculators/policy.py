@@ -463,11 +463,7 @@ class AutoProposer:
             name, left = self.trial
             self.trial = (name, left - 1) if left > 1 else None
             return name
-        best, value = None, best_value
-        for name in self.models:
-            rate = self._figure("rate", name)
-            if rate is not None and rate > value * (1 + MARGIN if best is None else 1):
-                best, value = name, rate
+        best = self._measured_rival(best_value)
         if best is not None:
             self.glob.gap[best] = FIRST_GAP
             return best
