@@ -429,6 +429,45 @@ def run_training(
     return step, losses, minutes
 
 
+def prepare(
+    cfg: Any, model: str | None, data: str | None
+) -> tuple[str, Path, Any, list[str], Target]:
+    """What every head trainer starts from: torch threads set, the target's folder, the
+    output folder (created), the target's tokenizer, the training texts, the target."""
+    from codespec.daemon.engine import resolve_model_path
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    model_path = resolve_model_path(model)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return model_path, out, load_tokenizer(model_path), load_texts(data), Target(model_path)
+
+
+def heldout_eval_windows(tok: Any, cfg: Any) -> list[list[int]]:
+    """The held-out (stdlib ``test/``) windows a trainer reports its accuracies on."""
+    _, heldout_files = collect_sources()
+    return heldout_windows(tok, read_texts(heldout_files), cfg.seq_len, cfg.eval_windows, cfg.seed)
+
+
+def run_figures(
+    step: int, minutes: float, losses: list[float], cfg: Any, coverage: float
+) -> dict[str, Any]:
+    """The training figures every head trainer's training.json starts with."""
+
+    def mean(xs: list[float]) -> float | None:
+        return round(sum(xs) / len(xs), 4) if xs else None
+
+    return {
+        "steps": step,
+        "minutes": round(minutes, 2),
+        "train_tokens": step * cfg.batch_size * cfg.seq_len,
+        "final_loss": mean(losses[-20:]),
+        "first_loss": mean(losses[:5]),
+        "draft_vocab_coverage": round(coverage, 4),
+    }
+
+
 def _eagle_step(
     head: EagleHead, target: Target, x: torch.Tensor, cfg: EagleTrainConfig
 ) -> tuple[torch.Tensor, list[float]]:
@@ -444,16 +483,7 @@ def train(
     resume: bool,
     name: str | None = None,
 ) -> int:
-    from codespec.daemon.engine import resolve_model_path
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model_path = resolve_model_path(model)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(model_path)
-    texts = load_texts(data)
-    target = Target(model_path)
+    model_path, out, tok, texts, target = prepare(cfg, model, data)
     head, coverage = build_head(target, cfg, tok, texts, name or model or "codespec-embedded")
     print(
         f"target {model_path}: {target.num_layers} layers; head taps {head.cfg.taps}, "
@@ -477,9 +507,7 @@ def train(
     size = sum(f.stat().st_size for f in out.iterdir() if f.name != "checkpoint.pt")
     print(f"saved the head to {out} ({size / 1e6:.1f} MB, speculators EAGLE-3 layout)", flush=True)
 
-    _, heldout_files = collect_sources()
-    held_texts = read_texts(heldout_files)
-    windows = heldout_windows(tok, held_texts, cfg.seq_len, cfg.eval_windows, cfg.seed)
+    windows = heldout_eval_windows(tok, cfg)
     tf_acc = heldout_accuracy(head, target, windows, cfg)
     cond = [tf_acc[0]] + [b / a if a else 0.0 for a, b in itertools.pairwise(tf_acc)]
     print(
@@ -503,12 +531,7 @@ def train(
             flush=True,
         )
     metrics = {
-        "steps": step,
-        "minutes": round(minutes, 2),
-        "train_tokens": step * cfg.batch_size * cfg.seq_len,
-        "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
-        "first_loss": round(sum(losses[:5]) / max(1, len(losses[:5])), 4) if losses else None,
-        "draft_vocab_coverage": round(coverage, 4),
+        **run_figures(step, minutes, losses, cfg, coverage),
         "heldout_teacher_forced_cumulative": [round(a, 4) for a in tf_acc],
         "heldout_teacher_forced_conditional": [round(a, 4) for a in cond],
         "heldout_decoding": real,

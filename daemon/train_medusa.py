@@ -36,14 +36,13 @@ import torch
 from codespec.daemon.train_eagle import (
     Target,
     draft_vocabulary,
-    load_texts,
-    load_tokenizer,
+    heldout_eval_windows,
+    prepare,
+    run_figures,
     run_training,
 )
 from codespec.daemon.train_model import (
     collect_sources,
-    heldout_windows,
-    read_texts,
 )
 from codespec.speculators.medusa import MedusaConfig, MedusaHeads, save_heads
 
@@ -204,16 +203,7 @@ def train(
     resume: bool,
     name: str | None = None,
 ) -> int:
-    from codespec.daemon.engine import resolve_model_path
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model_path = resolve_model_path(model)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = load_tokenizer(model_path)
-    texts = load_texts(data)
-    target = Target(model_path)
+    model_path, out, tok, texts, target = prepare(cfg, model, data)
     heads, coverage = build_heads(target, cfg, tok, texts, name or model or "codespec-embedded")
     n_params = sum(p.numel() for p in heads.parameters())
     print(
@@ -240,10 +230,7 @@ def train(
     )
     print(f"saved the heads to {out} ({size / 1e6:.1f} MB)", flush=True)
 
-    _, heldout_files = collect_sources()
-    windows = heldout_windows(
-        tok, read_texts(heldout_files), cfg.seq_len, cfg.eval_windows, cfg.seed
-    )
+    windows = heldout_eval_windows(tok, cfg)
     tf_acc = heldout_accuracy(heads, target, windows, cfg.decay) if windows else []
     print(
         "held-out (stdlib test/) teacher-forced top-1 accuracy per head (offset 2, 3, ...): "
@@ -262,12 +249,7 @@ def train(
             flush=True,
         )
     metrics = {
-        "steps": step,
-        "minutes": round(train_minutes, 2),
-        "train_tokens": step * cfg.batch_size * cfg.seq_len,
-        "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4) if losses else None,
-        "first_loss": round(sum(losses[:5]) / max(1, len(losses[:5])), 4) if losses else None,
-        "draft_vocab_coverage": round(coverage, 4),
+        **run_figures(step, train_minutes, losses, cfg, coverage),
         "parameters": n_params,
         "heldout_teacher_forced_top1_per_head": [round(a, 4) for a in tf_acc],
         "heldout_decoding": real,
