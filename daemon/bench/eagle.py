@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from codespec.daemon.bench.methods import add_engine_args, open_engine
+
 DEFAULT_WORKLOADS = ("/tmp/wl/novel.jsonl", "/tmp/wl/completion.jsonl")
 VARIANTS: dict[str, dict[str, Any]] = {
     "chain": {"topk": 1, "adaptive": True},  # what `speculation: "eagle"` uses
@@ -159,15 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=12, help="the most draft nodes per step")
     p.add_argument("--head", default=None, help="head folder (default: MODEL/eagle)")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each")
-    p.add_argument("--max-tokens", type=int, default=0, help="override every prompt's max_tokens")
     p.add_argument("--reps", type=int, default=30, help="repetitions of each cost measurement")
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--runner", default="auto")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    add_engine_args(p, threads=1)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -175,10 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from codespec.daemon.bench.methods import build_prompt, load_workload
-    from codespec.daemon.engine import Engine
     from codespec.speculators.eagle import EagleProposer, NoEagleHead, load_runtime
 
-    engine = Engine(args.model, device=args.device, runner=args.runner)
+    engine = open_engine(args)
     try:
         runtime = load_runtime(engine, args.head)
     except NoEagleHead as exc:

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from codespec.daemon.bench.methods import add_engine_args, open_engine
+
 DEFAULT_GRID = "0,6,2;4,3,4;4,5,2;4,6,2;4,6,2,0;4,7,2;6,6,2"
 
 
@@ -111,16 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         help='configurations "W,N,G;W,N,G,Y;...": window, n-gram, guesses, min_yield',
     )
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
-    p.add_argument("--max-tokens", type=int, default=0, help="override every prompt's max_tokens")
     p.add_argument("--max-draft", type=int, default=16, help="draft tokens verified per forward")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens at most")
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--runner", default="auto")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    add_engine_args(p, threads=1)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
         grid = parse_grid(args.grid)
     except ValueError as exc:
@@ -128,10 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from codespec.daemon.bench.methods import build_prompt, load_workload
-    from codespec.daemon.engine import Engine
     from codespec.speculators.lookahead import LookaheadProposer, PoolStore
 
-    engine = Engine(args.model, device=args.device, runner=args.runner)
+    engine = open_engine(args)
     items = load_workload(args.workload)
     if args.limit:
         items = items[: args.limit]

@@ -199,6 +199,29 @@ def run_engine(
     return Run(stats.tokens, stats.target_forwards, ms, ids, stats.ttft_ms)
 
 
+def add_engine_args(p: argparse.ArgumentParser, threads: int) -> None:
+    """The arguments every engine-driven benchmark takes: ``--max-tokens``, the model,
+    device and runner, and torch threads (``threads`` by default; 0: torch's own)."""
+    p.add_argument("--max-tokens", type=int, default=0, help="override every prompt's max_tokens")
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--runner", default="auto")
+    p.add_argument(
+        "--threads", type=int, default=threads, help="torch threads (0: torch's default)"
+    )
+
+
+def open_engine(args: argparse.Namespace) -> Any:
+    """Set torch's threads from ``args`` and load the engine they name."""
+    import torch
+
+    from codespec.daemon.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Engine(args.model, device=args.device, runner=args.runner)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec bench", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -206,12 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--methods", default="off,ngram,hf,hf-pld", help="NAME@K caps drafts at K")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
-    p.add_argument("--max-tokens", type=int, default=0, help="override every prompt's max_tokens")
     p.add_argument("--lookup", type=int, default=10, help="hf-pld's prompt_lookup_num_tokens")
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--runner", default="auto")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_engine_args(p, threads=0)
     p.add_argument("--max-draft", type=int, default=16, help="draft tokens verified per forward")
     p.add_argument(
         "--context", type=int, default=1024, help="prompt tokens at most (the daemon's default)"
@@ -231,12 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt n uses seed + n)")
     args = p.parse_args(argv)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-    from codespec.daemon.engine import Engine
     from codespec.speculators.registry import names
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -254,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     which = [w for w, wl in enumerate(loaded) for _ in wl]  # each item's workload
     if args.limit:
         items, which = items[: args.limit], which[: args.limit]
-    engine = Engine(args.model, device=args.device, runner=args.runner)
+    engine = open_engine(args)
     peer = HFPeer(engine) if any(m in PEERS for m in methods) else None
     # one index per workload: a workload's open documents are not another one's
     indexes = [_build_index(engine, wl) for wl in loaded]
