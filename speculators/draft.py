@@ -20,9 +20,11 @@ This module knows nothing about models or tokenizers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -188,3 +190,22 @@ class Proposer(Protocol):
     def propose(self, context: Sequence[int], budget: int) -> Draft | None: ...
 
     def observe(self, result: StepResult) -> None: ...
+
+
+R = TypeVar("R")
+
+
+class RuntimeCache(Generic[R]):
+    """What a proposer loads from a folder beside the model (a head, a draft model),
+    loaded once per engine and folder and dropped with the engine."""
+
+    def __init__(self) -> None:
+        self._by_engine: weakref.WeakKeyDictionary[Any, dict[str, R]] = weakref.WeakKeyDictionary()
+
+    def get(self, engine: Any, where: Path, load: Callable[[], R]) -> R:
+        """The runtime of ``engine`` for folder ``where``; ``load()`` makes it the first time."""
+        cache = self._by_engine.setdefault(engine, {})
+        key = str(where.resolve())
+        if key not in cache:
+            cache[key] = load()
+        return cache[key]

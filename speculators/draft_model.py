@@ -66,7 +66,6 @@ probing draft. Accepted counts never include the bonus token.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +73,7 @@ from typing import Any
 
 import torch
 
-from codespec.speculators.draft import Draft, RequestInfo, StepResult
+from codespec.speculators.draft import Draft, RequestInfo, RuntimeCache, StepResult
 from codespec.speculators.eagle import AcceptanceStats, StepCost
 
 __all__ = [
@@ -169,7 +168,7 @@ class DraftRuntime:
             del self.ids[n:]
 
 
-_RUNTIMES: weakref.WeakKeyDictionary[Any, dict[str, DraftRuntime]] = weakref.WeakKeyDictionary()
+_RUNTIMES: RuntimeCache[DraftRuntime] = RuntimeCache()
 
 
 def _read_vocab(path: Path) -> dict[str, int]:
@@ -185,10 +184,12 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> DraftRuntime:
         raise NoDraftModel("the draft-model proposer needs an engine (its tokenizer and device)")
     target = Path(engine.model_path)
     where = Path(path) if path is not None else draft_dir(target)
-    cache = _RUNTIMES.setdefault(engine, {})
-    key = str(where.resolve())
-    if key in cache:
-        return cache[key]
+    return _RUNTIMES.get(engine, where, lambda: _load_runtime(engine, where))
+
+
+def _load_runtime(engine: Any, where: Path) -> DraftRuntime:
+    """Check the draft model in ``where`` against the target (its tokenizer) and load it."""
+    target = Path(engine.model_path)
     if not (where / "config.json").exists():
         raise NoDraftModel(
             f"no draft model for the model in {target}: expected a Hugging Face causal LM "
@@ -232,7 +233,6 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> DraftRuntime:
         draft, where, min(draft.vocab_size, runner.vocab_size), int(runner.vocab_size)
     )
     rt.forward_costs = getattr(engine, "costs", None)
-    cache[key] = rt
     return rt
 
 

@@ -47,7 +47,6 @@ bonus token.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +54,7 @@ from typing import Any
 
 import torch
 
-from codespec.speculators.draft import Draft, RequestInfo, StepResult
+from codespec.speculators.draft import Draft, RequestInfo, RuntimeCache, StepResult
 from codespec.speculators.eagle_head import HeadRunner, load_head
 
 __all__ = [
@@ -194,7 +193,7 @@ class EagleRuntime:
         self.own_ms = ms if not self.own_ms else 0.9 * self.own_ms + 0.1 * ms
 
 
-_RUNTIMES: weakref.WeakKeyDictionary[Any, dict[str, EagleRuntime]] = weakref.WeakKeyDictionary()
+_RUNTIMES: RuntimeCache[EagleRuntime] = RuntimeCache()
 
 
 def load_runtime(engine: Any, path: str | Path | None = None) -> EagleRuntime:
@@ -202,10 +201,11 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> EagleRuntime:
     if engine is None:
         raise NoEagleHead("the eagle proposer needs an engine (its model's hidden states)")
     where = Path(path) if path is not None else head_dir(engine.model_path)
-    cache = _RUNTIMES.setdefault(engine, {})
-    key = str(where.resolve())
-    if key in cache:
-        return cache[key]
+    return _RUNTIMES.get(engine, where, lambda: _load_runtime(engine, where))
+
+
+def _load_runtime(engine: Any, where: Path) -> EagleRuntime:
+    """Check the head in ``where`` against the engine's model and load it."""
     if not (where / "config.json").exists():
         raise NoEagleHead(
             f"no EAGLE head for the model in {engine.model_path}: expected a speculators "
@@ -230,7 +230,6 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> EagleRuntime:
     dtype = getattr(runner, "dtype", torch.float32)
     hr = HeadRunner(head, target_embedding(runner), runner.max_length + 64, runner.device, dtype)
     rt = EagleRuntime(hr, where)
-    cache[key] = rt
     return rt
 
 

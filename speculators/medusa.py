@@ -58,7 +58,6 @@ import heapq
 import json
 import math
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codespec.speculators.draft import Draft, RequestInfo, StepResult
+from codespec.speculators.draft import Draft, RequestInfo, RuntimeCache, StepResult
 from codespec.speculators.eagle import AcceptanceStats, StepCost
 from codespec.speculators.eagle_head import DraftVocab
 
@@ -309,7 +308,7 @@ class MedusaRuntime:
         self.own_ms = ms if not self.own_ms else 0.9 * self.own_ms + 0.1 * ms
 
 
-_RUNTIMES: weakref.WeakKeyDictionary[Any, dict[str, MedusaRuntime]] = weakref.WeakKeyDictionary()
+_RUNTIMES: RuntimeCache[MedusaRuntime] = RuntimeCache()
 
 
 def load_runtime(engine: Any, path: str | Path | None = None) -> MedusaRuntime:
@@ -318,10 +317,11 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> MedusaRuntime:
     if engine is None:
         raise NoMedusaHeads("the medusa proposer needs an engine (its model's hidden states)")
     where = Path(path) if path is not None else heads_dir(engine.model_path)
-    cache = _RUNTIMES.setdefault(engine, {})
-    key = str(where.resolve())
-    if key in cache:
-        return cache[key]
+    return _RUNTIMES.get(engine, where, lambda: _load_runtime(engine, where))
+
+
+def _load_runtime(engine: Any, where: Path) -> MedusaRuntime:
+    """Check the heads in ``where`` against the engine's model and load them."""
     if not (where / CONFIG).exists():
         raise NoMedusaHeads(
             f"no Medusa heads for the model in {engine.model_path}: expected a folder with "
@@ -345,7 +345,6 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> MedusaRuntime:
         )
     rt = MedusaRuntime(HeadsRunner(heads), where)
     rt.acceptance = AcceptanceStats(max_depth=cfg.num_heads)
-    cache[key] = rt
     return rt
 
 
