@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from codespec.daemon.bench.methods import build_prompt, load_workload
-    from codespec.speculators.lookahead import LookaheadProposer, PoolStore
+    from codespec.speculators.lookahead import LookaheadProposer, store_for
 
     engine = open_engine(args)
     items = load_workload(args.workload)
@@ -136,9 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     def proposer(name: str) -> LookaheadProposer | None:
         if name == "off":
             return None
-        # empty pools for every timed decode, as decode_once gives the engine's store:
-        # prompts without a uri would otherwise share one pool across the workload
-        return LookaheadProposer(store=PoolStore(), **config(name))
+        # the engine's pools, which decode_once empties before every timed decode
+        return LookaheadProposer(store=store_for(engine), **config(name))
 
     def one(name: str, k: int) -> tuple[list[int], Any, float]:
         prompt, max_tokens, _ = prompts[k]
