@@ -47,7 +47,7 @@ from codespec.daemon.config import default_state_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "gemm.cpp"
 PANEL = 16  # output columns per packed panel (two AVX2 vectors)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
 # From this many rows on, a product is split across torch's threads (its OpenMP pool):
 # at 2 threads and 1,300 cached tokens, 8 / 16-token forwards took 3.80 / 5.44 ms with
 # 8 here against 4.69 / 7.22 ms with 32 (interleaved medians of 40).
@@ -116,7 +116,7 @@ def _load() -> None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         _reason = f"the kernel is x86-64 only (this is {platform.machine()})"
         return
-    missing = {"avx2", "fma"} - _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
     if missing:
         _reason = f"this CPU lacks {', '.join(sorted(missing))}"
         return
@@ -135,6 +135,8 @@ def _load() -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cs_gemm.restype = None
     lib.cs_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
+    lib.cs_gemm_h.restype = None
+    lib.cs_gemm_h.argtypes = lib.cs_gemm.argtypes
     lib.cs_gemm_version.restype = ctypes.c_int
     lib.cs_attention.restype = None
     lib.cs_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr]
@@ -167,16 +169,29 @@ def unavailable_reason() -> str | None:
 
 
 def packable(w: torch.Tensor) -> bool:
-    """Whether ``w`` (in, out) can be packed: fp32 on the CPU, ``out`` a multiple of 16."""
-    on_cpu = w.dtype == torch.float32 and w.device.type == "cpu"
+    """Whether ``w`` (in, out) can be packed: fp32 or fp16 on the CPU, ``out`` a multiple of 16."""
+    on_cpu = w.dtype in (torch.float32, torch.float16) and w.device.type == "cpu"
     return on_cpu and w.dim() == 2 and w.shape[1] % PANEL == 0
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """``(in, out)`` weights to panels ``(out / 16, in, 16)``: each panel contiguous."""
+def exactly_half(w: torch.Tensor) -> bool:
+    """Whether every value of ``w`` survives a round trip through fp16 unchanged (weights
+    read from an fp16 checkpoint do), so fp16 panels give the very same products."""
+    if w.dtype == torch.float16:
+        return True
+    return bool(torch.equal(w.to(torch.float16).to(w.dtype), w))
+
+
+def pack(w: torch.Tensor, half: bool = False) -> torch.Tensor:
+    """``(in, out)`` weights to panels ``(out / 16, in, 16)``: each panel contiguous.
+
+    ``half``: fp16 panels, half the bytes for every product to stream; the kernel widens
+    them to fp32 exactly, so the products equal fp32 panels of ``w.half()``.
+    """
     if not packable(w):
         raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} tensor on {w.device}")
     k, n = w.shape
+    w = w.to(torch.float16 if half else torch.float32)
     return w.reshape(k, n // PANEL, PANEL).permute(1, 0, 2).contiguous()
 
 
@@ -218,7 +233,10 @@ def mm(
             res = res.contiguous()
     if threads is None:
         threads = torch.get_num_threads() if m >= THREADED_ROWS else 1
-    lib.cs_gemm(
+    if p.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"packed weights must be fp32 or fp16, got {p.dtype}")
+    call = lib.cs_gemm_h if p.dtype == torch.float16 else lib.cs_gemm
+    call(
         x.data_ptr(),
         m,
         k,
@@ -321,9 +339,13 @@ def linear(
     return x @ w if bias is None else torch.addmm(bias, x, w)
 
 
-def maybe_pack(w: torch.Tensor, use: bool) -> torch.Tensor:
-    """``pack(w)`` when ``use`` and it can be packed, else ``w`` unchanged (for :func:`linear`)."""
-    return pack(w) if use and packable(w) else w
+def maybe_pack(w: torch.Tensor, use: bool, half: bool = False) -> torch.Tensor:
+    """``pack(w, half)`` when ``use`` and it can be packed, else ``w`` unchanged (for
+    :func:`linear`). ``half`` packs fp16 panels when that loses nothing
+    (:func:`exactly_half`), fp32 panels otherwise."""
+    if not (use and packable(w)):
+        return w
+    return pack(w, half=half and exactly_half(w))
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -334,6 +356,7 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 __all__ = [
     "PANEL",
     "attention",
+    "exactly_half",
     "library",
     "linear",
     "maybe_pack",

@@ -42,7 +42,7 @@ def test_builds_where_it_should() -> None:
     if not _should_build():
         pytest.skip("not an x86-64 AVX2 machine with a C++ compiler")
     assert cpu_gemm.library() is not None, cpu_gemm.unavailable_reason()
-    assert cpu_gemm.library().cs_gemm_version() == 4
+    assert cpu_gemm.library().cs_gemm_version() == 5
 
 
 @needs_kernel
@@ -80,6 +80,32 @@ def test_rows_do_not_depend_on_the_batch_or_threads() -> None:
     wide = torch.zeros(37, 500)
     wide[:, 50:434] = x
     assert torch.equal(cpu_gemm.mm(wide[:, 50:434], p, None, res, threads=1), full)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_half_panels_equal_fp32_panels_of_the_same_weights(m: int) -> None:
+    """fp16 panels read half the bytes and give, bit for bit, the products of fp32 panels
+    holding the same (fp16-representable) weights: threads, bias and residual included."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(384, 640, generator=g).half().float()
+    x = torch.randn(m, 384, generator=g)
+    bias = torch.randn(640, generator=g)
+    res = torch.randn(m, 640, generator=g)
+    full, half = cpu_gemm.pack(w), cpu_gemm.pack(w, half=True)
+    assert half.dtype == torch.float16 and half.shape == full.shape
+    assert half.element_size() * 2 == full.element_size()
+    for threads in (1, 2):
+        assert torch.equal(
+            cpu_gemm.mm(x, half, bias, res, threads=threads),
+            cpu_gemm.mm(x, full, bias, res, threads=threads),
+        )
+    # maybe_pack takes fp16 panels only when nothing is lost
+    assert cpu_gemm.maybe_pack(w, True, half=True).dtype == torch.float16
+    exact_not = w + 1e-4
+    assert not cpu_gemm.exactly_half(exact_not)
+    assert cpu_gemm.maybe_pack(exact_not, True, half=True).dtype == torch.float32
+    assert cpu_gemm.maybe_pack(w, False, half=True) is w
 
 
 @needs_kernel
