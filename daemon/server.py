@@ -84,7 +84,9 @@ METHODS = (
 def _cpu_kernel(engine: Any) -> str:
     """``cpu_gemm`` when the runner's products use the CPU kernel, else why not."""
     if getattr(engine.runner, "kernels", False):
-        return "cpu_gemm"
+        head = getattr(engine.runner, "lm_head_t", None)
+        half = head is not None and head.dim() == 3 and head.element_size() == 2
+        return "cpu_gemm, fp16 weights" if half else "cpu_gemm"
     if engine.device.type != "cpu" or engine.runner.name != "lean":
         return "off"
     return cpu_gemm.unavailable_reason() or "off"

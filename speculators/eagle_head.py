@@ -489,12 +489,13 @@ class HeadRunner:
         self.dtype = dtype
         self.max_length = int(max_length)
         layer = head.layers[0]
-        # fp32 on an AVX2 CPU: products through the cpu_gemm kernel, as the lean runner
+        # fp32 on an AVX2 CPU: products through the cpu_gemm kernel, as the lean runner;
+        # weights exact in fp16 (a shipped head) as fp16 panels: same outputs, half the bytes
         self.kernels = cpu_gemm.usable(self.device, dtype)
 
         def t(w: torch.Tensor) -> torch.Tensor:  # (out, in) -> (in, out): x @ W is fastest here
             w = w.detach().to(self.device, dtype).t().contiguous()
-            return cpu_gemm.maybe_pack(w, self.kernels)
+            return cpu_gemm.maybe_pack(w, self.kernels, half=True)
 
         def v(w: torch.Tensor) -> torch.Tensor:
             return w.detach().to(self.device, dtype).contiguous()

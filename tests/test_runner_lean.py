@@ -221,6 +221,25 @@ def test_last_only_returns_the_last_row(pair) -> None:
         torch.testing.assert_close(ref, full[-1:], atol=ATOL, rtol=0)
 
 
+@pytest.mark.skipif(cpu_gemm.library() is None, reason="the CPU kernel is unavailable here")
+def test_half_panels_give_the_same_logits_for_an_fp16_checkpoint(tmp_path) -> None:
+    """Weights saved in fp16 are held as fp16 panels by half_panels(): half the bytes, and
+    prefill, decode and tree logits equal the fp32 panels' bit for bit. A checkpoint whose
+    weights fp16 cannot hold keeps fp32 panels (nothing saved)."""
+    torch.manual_seed(3)
+    model = _randomise(_llama_untied())
+    model.half().save_pretrained(tmp_path)
+    full = LeanRunner.from_pretrained(tmp_path, kernels=True)
+    half = LeanRunner.from_pretrained(tmp_path, kernels=True)
+    assert half.half_panels() > 0
+    assert half.lm_head_t.dtype == torch.float16 and half.layers[0][1].dtype == torch.float16
+    for ids, parents in ((_ids(40, 1), None), (_ids(1, 2), None), (_ids(5, 3), [-1, 0, 0, 1, 2])):
+        assert torch.equal(half.forward(ids, parents).logits, full.forward(ids, parents).logits)
+    rough = LeanRunner.from_hf_model(_randomise(_llama_untied()), kernels=True)  # fp32 weights
+    assert rough.half_panels() == 0
+    assert LeanRunner.from_pretrained(tmp_path, kernels=False).half_panels() == 0
+
+
 def test_from_hf_model_and_long_positions() -> None:
     """from_hf_model copies an in-memory model; positions past max_position_embeddings work."""
     torch.manual_seed(1)
