@@ -1,9 +1,10 @@
 """``codespec bench runner``: per-forward time of the lean runner vs the HF runner.
 
-Three runners over the same fp32 weights: ``lean`` (the lean runner as the engine
-builds it: on an x86-64 CPU with AVX2 its products go through the
-``cpu_gemm`` kernel), ``torch`` (the same runner with torch's products, i.e.
-``kernels=False``; shown when the kernel is in use) and ``hf``.
+Runners over the same weights: ``lean`` (the lean runner as the engine builds it:
+on an x86-64 CPU with AVX2 its products go through the ``cpu_gemm`` kernel, an fp16
+checkpoint's weights held as fp16 panels), ``fp32`` (the same on fp32 panels; shown
+when lean holds fp16 ones), ``torch`` (the same runner with torch's products, i.e.
+``kernels=False``; shown when the kernel is in use) and ``hf`` (fp32).
 
 This module owns the runner micro-benchmark only; it builds runners through their
 public constructors and must not reach into the engine, the CLI or the proposers.
@@ -91,6 +92,7 @@ def build_runners(
     lean = LeanRunner.from_pretrained(
         model_dir, max_length=max_length, compile=compile, kernels=kernels
     )
+    lean.half_panels()  # as the engine loads it: an fp16 checkpoint as fp16 panels
     return lean, HFRunner(model.eval(), max_length=max_length), str(model_dir)
 
 
@@ -147,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             hf.model, max_length=max_length, compile=args.compile, kernels=False
         )
         named.insert(1, ("torch", plain))
+    if lean.kernels and lean.lm_head_t.dtype == torch.float16:  # and on fp32 panels
+        wide = LeanRunner.from_hf_model(hf.model, max_length=max_length, kernels=True)
+        named.insert(1, ("fp32", wide))
     bw = measure_bandwidth()
     wbytes = param_bytes(lean)
     gen = torch.Generator().manual_seed(args.seed)
@@ -176,21 +181,23 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
 
     decode = {r["context"]: r["lean_ms"] for r in rows if r["tokens"] == 1}
-    has_torch = len(named) == 3
+    others = [label for label, _ in named if label not in ("lean", "hf")]
     kernel_note = "cpu_gemm kernel" if lean.kernels else "torch products"
+    if lean.kernels and lean.lm_head_t.dtype == torch.float16:
+        kernel_note += " with fp16 weight panels (fp32: the same on fp32 panels)"
     print(f"model: {desc}   weights {wbytes / 1e6:.1f} MB   threads {args.threads}")
     print(
         f"bandwidth: {bw['best']:.1f} GB/s (W@x {bw['mv']:.1f}, x@W {bw['vm']:.1f}); "
         f"medians of {args.reps}, runners interleaved; lean uses the {kernel_note}"
     )
     head = f"{'ctx':>5} {'T':>3} {'lean ms':>8} "
-    head += f"{'torch ms':>8} {'torch/lean':>10} " if has_torch else ""
+    head += "".join(f"{label + ' ms':>8} {label + '/lean':>10} " for label in others)
     head += f"{'hf ms':>8} {'hf/lean':>7} {'floor ms':>8} {'lean/floor':>10} {'lean/decode':>11}"
     print(head)
     for r in rows:
         line = f"{r['context']:>5} {r['tokens']:>3} {r['lean_ms']:>8.2f} "
-        if has_torch:
-            line += f"{r['torch_ms']:>8.2f} {r['torch_ms'] / r['lean_ms']:>10.2f} "
+        for label in others:
+            line += f"{r[label + '_ms']:>8.2f} {r[label + '_ms'] / r['lean_ms']:>10.2f} "
         line += (
             f"{r['hf_ms']:>8.2f} {r['hf_ms'] / r['lean_ms']:>7.2f} {r['floor_ms']:>8.2f} "
             f"{r['lean_ms'] / r['floor_ms']:>10.2f} {r['lean_ms'] / decode[r['context']]:>11.2f}"
