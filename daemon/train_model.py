@@ -10,7 +10,9 @@ of the shipped model (config + fp16 safetensors + tokenizer.json).
 ``--init-from MODEL_DIR --copy-rate R`` fine-tunes an exported model, a share R
 of the samples in the layout of an edit prompt (``completion.edit_prompt``: the
 region's old text or a prediction ends the prefix, the region is the middle),
-and reports the held-out top-1 accuracy of those middles before and after.
+and reports the held-out top-1 accuracy of those middles before and after (and at
+every checkpoint). ``--repeat-rate R`` mixes in a share R of left-to-right samples
+that repeat a piece of code 2-4 times, the densest signal for learning to copy.
 
 ``--tokenizer MODEL_DIR`` reuses that model's tokenizer files verbatim instead of
 training a BPE, so a model trained that way (a draft model for speculative
@@ -42,6 +44,7 @@ FILE_SEP = "<|file_sep|>"
 SPECIAL_TOKENS = [EOT, FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE, FILE_SEP]
 
 HELDOUT_DIRS = {"test", "tests"}
+SUFFIX_TOKENS = 128  # completion.SUFFIX_TOKENS: the most suffix an edit prompt carries
 
 
 @dataclass
@@ -71,6 +74,7 @@ class TrainConfig:
     tokenizer: str = ""  # a model folder whose tokenizer files to reuse; "" trains a BPE
     init_from: str = ""  # fine-tune: start from this HF checkpoint folder (and its tokenizer)
     copy_rate: float = 0.0  # share of samples in the edit-prompt layout (SampleBuilder._copy)
+    repeat_rate: float = 0.0  # share of samples that repeat a piece of code (SampleBuilder._repeat)
 
 
 def stdlib_root() -> Path:
@@ -246,7 +250,12 @@ class SampleBuilder:
         the prefix, the middle is the region. The draft is the region itself or, with
         ``edited`` (60% when None), the region after 1-3 line edits (what an old version
         or a sketch of the new code looks like), so the model learns to follow the draft
-        where it agrees with the code and to leave it where it does not."""
+        where it agrees with the code and to leave it where it does not.
+
+        Sized as the daemon sizes it: at most ``SUFFIX_TOKENS`` of suffix and the
+        prefix windowed from the left (to a random length, so rows hold several
+        samples), so the whole sample fits in ``seq_len`` and the middle, the only
+        part that teaches copying, is never cut off by packing."""
         lines = text.splitlines(keepends=True)
         if len(lines) < 8:
             return self._fim(rng, text)
@@ -258,7 +267,42 @@ class SampleBuilder:
         draft = "".join(self._edit_lines(rng, region, lines) if edited else region)
         before, mid, after = "".join(lines[:a]), "".join(region), "".join(lines[a + n :])
         copy = draft if draft.endswith("\n") or not draft else draft + "\n"
-        return self._psm(before + copy, after, mid)
+        ids = self.ids
+        pre_ids = self._enc(before + copy)
+        mid_ids = self._enc(mid)
+        suf_ids = self._enc(after)[: rng.randint(0, SUFFIX_TOKENS)]
+        room = self.cfg.seq_len - 4 - len(mid_ids) - len(suf_ids)
+        draft_len = len(self._enc(copy))
+        if room < draft_len + 1:
+            return self._fim(rng, text)
+        keep = rng.randint(draft_len + 1, max(draft_len + 1, min(room, draft_len + 700)))
+        return [
+            ids[FIM_PREFIX],
+            *pre_ids[-keep:],
+            ids[FIM_SUFFIX],
+            *suf_ids,
+            ids[FIM_MIDDLE],
+            *mid_ids,
+            ids[EOT],
+        ]
+
+    def _repeat(self, rng: random.Random, text: str) -> list[int]:
+        """A left-to-right sample that repeats a piece of code (16-160 tokens) 2-4 times.
+
+        Every repeat after the first is predictable only by finding the earlier copy and
+        reading on from it (an induction head), the mechanism that copying a draft,
+        an old version or a repeated line needs; the dense signal makes it form in a
+        fine-tune far shorter than plain code would take."""
+        lead, piece, times = self._repeat_parts(rng, text)
+        return [*lead, *piece * times, self.ids[EOT]]
+
+    def _repeat_parts(self, rng: random.Random, text: str) -> tuple[list[int], list[int], int]:
+        """(the code before the piece, the piece, how many times it is written)."""
+        ids = self._enc(text)
+        n = min(rng.randint(16, 160), len(ids))
+        start = rng.randrange(0, len(ids) - n + 1)
+        lead = ids[max(0, start - rng.randint(0, 200)) : start]
+        return lead, ids[start : start + n], rng.randint(2, 4)
 
     @staticmethod
     def _edit_lines(rng: random.Random, region: list[str], pool: list[str]) -> list[str]:
@@ -289,6 +333,8 @@ class SampleBuilder:
             text = self._window(rng)
             if self.cfg.copy_rate and rng.random() < self.cfg.copy_rate:
                 piece = self._copy(rng, text)
+            elif self.cfg.repeat_rate and rng.random() < self.cfg.repeat_rate:
+                piece = self._repeat(rng, text)
             elif rng.random() < self.cfg.fim_rate:
                 piece = self._fim(rng, text)
             else:
@@ -347,6 +393,20 @@ def copy_samples(builder: SampleBuilder, texts: list[str], count: int, seed: int
         ids = builder._copy(rng, text, edited=edited)
         if mid_id in ids and len(ids) <= builder.cfg.seq_len + 1:
             samples.append((ids, ids.index(mid_id)))
+        if len(samples) == count:
+            break
+    return samples
+
+
+def repeat_samples(builder: SampleBuilder, texts: list[str], count: int, seed: int):
+    """Held-out repeat samples (``SampleBuilder._repeat``), each with the index where
+    the second copy of its piece starts: what follows is predictable by copying."""
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(count * 4):
+        lead, piece, times = builder._repeat_parts(rng, texts[rng.randrange(len(texts))][:2500])
+        if len(piece) >= 16:
+            samples.append(([*lead, *piece * times], len(lead) + len(piece) - 1))
         if len(samples) == count:
             break
     return samples
@@ -454,10 +514,11 @@ def train(cfg: TrainConfig, resume: bool = False, export_dir: str | None = None)
     model = build_model(cfg, tok)
     before: dict[str, float] = {}
     copy_sets: dict[str, list[tuple[list[int], int]]] = {}
-    if cfg.copy_rate:
+    if cfg.copy_rate or cfg.repeat_rate:
         probe = SampleBuilder(tok, heldout_texts, cfg)
         for kind, edited in (("exact", False), ("edited", True)):
             copy_sets[kind] = copy_samples(probe, heldout_texts, 24, cfg.seed + 1, edited)
+        copy_sets["repeat"] = repeat_samples(probe, heldout_texts, 24, cfg.seed + 1)
     if cfg.init_from:
         from transformers import AutoModelForCausalLM
 
@@ -504,6 +565,9 @@ def train(cfg: TrainConfig, resume: bool = False, export_dir: str | None = None)
                 {"model": model.state_dict(), "optim": opt.state_dict(), "step": step + 1}, tmp
             )
             os.replace(tmp, ckpt)
+            if copy_sets:
+                now = {k: round(copy_accuracy(model, v), 4) for k, v in copy_sets.items()}
+                bar.write(f"step {step + 1}: held-out edit-layout middles, top-1 {now}")
     bar.close()
     windows = heldout_windows(tok, heldout_texts, cfg.seq_len, cfg.eval_windows, cfg.seed)
     loss, acc = evaluate(model, windows)

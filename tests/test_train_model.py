@@ -89,8 +89,9 @@ def test_copy_samples_use_the_edit_prompt_layout():
     assert [c.row(s, 0) for s in range(5)] == base
     ids = {k: tok.token_to_id(k) for k in train_model.SPECIAL_TOKENS}
     text = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(10))
+    wide = train_model.SampleBuilder(tok, texts, train_model.TrainConfig(seq_len=1024))
     for edited in (False, True):
-        sample = b._copy(random.Random(3), text, edited=edited)
+        sample = wide._copy(random.Random(3), text, edited=edited)
         pre = sample[1 : sample.index(ids[train_model.FIM_SUFFIX])]
         mid = sample[sample.index(ids[train_model.FIM_MIDDLE]) + 1 : -1]
         assert sample[0] == ids[train_model.FIM_PREFIX] and sample[-1] == ids[train_model.EOT]
@@ -98,6 +99,14 @@ def test_copy_samples_use_the_edit_prompt_layout():
         assert region and region in text
         if not edited:
             assert tok.decode(pre).endswith(region)  # the draft is the region itself
+    # Sized like the daemon's prompt: a long file still yields a sample that fits a row,
+    # so packing never cuts off the middle (the part that teaches copying).
+    long_text = text * 40
+    for seed in range(20):
+        sample = wide._copy(random.Random(seed), long_text)
+        assert len(sample) <= 1024 and ids[train_model.FIM_MIDDLE] in sample
+        suffix = sample.index(ids[train_model.FIM_SUFFIX])
+        assert sample.index(ids[train_model.FIM_MIDDLE]) - suffix - 1 <= train_model.SUFFIX_TOKENS
 
 
 def test_fine_tune_from_an_export_reports_copy_accuracy(tmp_path: Path, capsys):
@@ -113,5 +122,28 @@ def test_fine_tune_from_an_export_reports_copy_accuracy(tmp_path: Path, capsys):
     import json
 
     metrics = json.loads((tuned / "training.json").read_text())
-    assert set(metrics["heldout_copy_top1"]) == {"exact", "edited"}
+    assert set(metrics["heldout_copy_top1"]) == {"exact", "edited", "repeat"}
     assert (tuned / "tokenizer.json").read_bytes() == (export / "tokenizer.json").read_bytes()
+
+
+def test_repeat_samples_write_a_piece_several_times():
+    """--repeat-rate samples: code before a piece, then the piece 2-4 times; the held-out
+    probe's start index is the token before the second copy (what copying predicts)."""
+    import random
+
+    train, _ = train_model.collect_sources()
+    texts = train_model.read_texts(train[:30])
+    tok = train_model.train_tokenizer(texts, 600)
+    b = train_model.SampleBuilder(tok, texts, train_model.TrainConfig(seq_len=1024))
+    for seed in range(10):
+        lead, piece, times = b._repeat_parts(random.Random(seed), texts[seed])
+        sample = b._repeat(random.Random(seed), texts[seed])
+        assert 2 <= times <= 4 and 1 <= len(piece) <= 160 and len(lead) <= 200
+        assert sample == [*lead, *piece * times, tok.token_to_id(train_model.EOT)]
+    for ids, start in train_model.repeat_samples(b, texts, 5, seed=1):
+        n = next(
+            n
+            for n in range(16, 161)
+            if ids[start + 1 : start + 1 + n] == ids[start + 1 - n : start + 1]
+        )
+        assert n >= 16  # the tokens after start repeat the ones just before
