@@ -42,7 +42,7 @@ def test_builds_where_it_should() -> None:
     if not _should_build():
         pytest.skip("not an x86-64 AVX2 machine with a C++ compiler")
     assert cpu_gemm.library() is not None, cpu_gemm.unavailable_reason()
-    assert cpu_gemm.library().cs_gemm_version() == 5
+    assert cpu_gemm.library().cs_gemm_version() == 6
 
 
 @needs_kernel

@@ -4,13 +4,16 @@
 // 16 output columns, P[N / 16][K][16], so that each panel streams from memory in
 // order. Rows are taken four at a time: 4 rows x 2 AVX2 vectors = 8 accumulators,
 // the most this register file holds without spilling (5 or 6 rows measured slower).
+// A product of one or two rows takes four or two panels per pass instead, for the same
+// 8 independent sums (one panel alone left the FMA units waiting on its 2 or 4).
+// Panels hold fp32 or fp16 weights (the latter widened exactly on load).
 // Each output element is summed over k = 0 .. K-1 in order with one FMA per step,
 // whatever M is, so a row's result does not depend on which other rows share the
 // call.
 //
 // MKL's sgemm spends about M times a one-row product for M = 2 .. 8 on this kind of
-// CPU; this kernel reads the weights once for up to four rows, which is what makes
-// a draft of a few tokens cost little more than one decode step.
+// CPU; this kernel reads the weights once for up to four rows. With one-row products
+// at the FMA units' rate too, each of these costs about its rows' arithmetic.
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -31,10 +34,11 @@ inline void load16(const uint16_t* p, __m256& w0, __m256& w1) {
   w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
 
-// pf: the panel to fetch into L2 while this one is computed (the next one, on the
-// first row group), or nullptr. W: float or uint16_t (fp16 bits).
+// MR rows of one panel: 2 * MR accumulators, enough to keep the FMA units busy from
+// three rows on. pf: the panel to fetch into L2 while this one is computed (the next
+// one, on the first row group), or nullptr. W: float or uint16_t (fp16 bits).
 template <int MR, typename W>
-inline void block(const float* x, int64_t ldx, int64_t K, const W* p, float* y,
+inline void block1(const float* x, int64_t ldx, int64_t K, const W* p, float* y,
                   int64_t ldy, const float* bias, const float* res, int64_t ldr,
                   const W* pf) {
   __m256 a0[MR], a1[MR];
@@ -66,24 +70,84 @@ inline void block(const float* x, int64_t ldx, int64_t K, const W* p, float* y,
   }
 }
 
+// MR rows times NP adjacent panels (16 * NP output columns): 2 * MR * NP accumulators.
+// One or two rows of one panel would leave the FMA units waiting on a chain of 2 or 4
+// dependent sums (an FMA's latency is ~4 cycles), so they take 4 or 2 panels at once;
+// each output is still summed over k in order, one FMA per step, as in block1.
+// W: float or uint16_t (fp16 bits); ps: the panel stride.
+template <int MR, int NP, typename W>
+inline void blockn(const float* x, int64_t ldx, int64_t K, const W* p, int64_t ps, float* y,
+                   int64_t ldy, const float* bias, const float* res, int64_t ldr) {
+  __m256 a0[MR][NP], a1[MR][NP];
+  for (int r = 0; r < MR; ++r) {
+    for (int q = 0; q < NP; ++q) {
+      a0[r][q] = _mm256_setzero_ps();
+      a1[r][q] = _mm256_setzero_ps();
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w0[NP], w1[NP];
+    for (int q = 0; q < NP; ++q) load16(p + q * ps + k * 16, w0[q], w1[q]);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
+      for (int q = 0; q < NP; ++q) {
+        a0[r][q] = _mm256_fmadd_ps(b, w0[q], a0[r][q]);
+        a1[r][q] = _mm256_fmadd_ps(b, w1[q], a1[r][q]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int q = 0; q < NP; ++q) {
+      const int64_t c = 16 * q;
+      if (bias) {
+        a0[r][q] = _mm256_add_ps(a0[r][q], _mm256_loadu_ps(bias + c));
+        a1[r][q] = _mm256_add_ps(a1[r][q], _mm256_loadu_ps(bias + c + 8));
+      }
+      if (res) {
+        a0[r][q] = _mm256_add_ps(a0[r][q], _mm256_loadu_ps(res + r * ldr + c));
+        a1[r][q] = _mm256_add_ps(a1[r][q], _mm256_loadu_ps(res + r * ldr + c + 8));
+      }
+      _mm256_storeu_ps(y + r * ldy + c, a0[r][q]);
+      _mm256_storeu_ps(y + r * ldy + c + 8, a1[r][q]);
+    }
+  }
+}
+
+// One or two rows: NP panels per pass (see block), then single panels for the rest.
+template <int MR, int NP, typename W>
+void narrow(const float* x, int64_t K, int64_t ldx, const W* P, int64_t j0, int64_t j1,
+            float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr) {
+  int64_t j = j0;
+  for (; j + 16 * NP <= j1; j += 16 * NP) {
+    blockn<MR, NP, W>(x, ldx, K, P + j * K, 16 * K, y + j, ldy, bias ? bias + j : nullptr,
+                      res ? res + j : nullptr, ldr);
+  }
+  for (; j < j1; j += 16) {
+    block1<MR, W>(x, ldx, K, P + j * K, y + j, ldy, bias ? bias + j : nullptr,
+                  res ? res + j : nullptr, ldr, nullptr);
+  }
+}
+
 template <typename W>
 void panels(const float* x, int64_t M, int64_t K, int64_t ldx, const W* P, int64_t j0,
             int64_t j1, float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr) {
+  if (M == 1) return narrow<1, 4, W>(x, K, ldx, P, j0, j1, y, ldy, bias, res, ldr);
+  if (M == 2) return narrow<2, 2, W>(x, K, ldx, P, j0, j1, y, ldy, bias, res, ldr);
   for (int64_t j = j0; j < j1; j += 16) {
     const W* p = P + j * K;
     const W* next = j + 16 < j1 ? p + 16 * K : nullptr;
     for (int64_t m = 0; m < M; m += 4) {
-      const W* pf = m == 0 && M > 1 ? next : nullptr;
+      const W* pf = m == 0 ? next : nullptr;
       const int64_t mr = M - m < 4 ? M - m : 4;
       const float* xm = x + m * ldx;
       float* ym = y + m * ldy + j;
       const float* b = bias ? bias + j : nullptr;
       const float* rm = res ? res + m * ldr + j : nullptr;
       switch (mr) {
-        case 1: block<1, W>(xm, ldx, K, p, ym, ldy, b, rm, ldr, pf); break;
-        case 2: block<2, W>(xm, ldx, K, p, ym, ldy, b, rm, ldr, pf); break;
-        case 3: block<3, W>(xm, ldx, K, p, ym, ldy, b, rm, ldr, pf); break;
-        default: block<4, W>(xm, ldx, K, p, ym, ldy, b, rm, ldr, pf); break;
+        case 1: block1<1, W>(xm, ldx, K, p, ym, ldy, b, rm, ldr, pf); break;
+        case 2: block1<2, W>(xm, ldx, K, p, ym, ldy, b, rm, ldr, pf); break;
+        case 3: block1<3, W>(xm, ldx, K, p, ym, ldy, b, rm, ldr, pf); break;
+        default: block1<4, W>(xm, ldx, K, p, ym, ldy, b, rm, ldr, pf); break;
       }
     }
   }
@@ -280,7 +344,7 @@ void cs_attention(const float* q, int64_t KV, int64_t R, int64_t G, int64_t D, c
   }
 }
 
-int cs_gemm_version() { return 5; }
+int cs_gemm_version() { return 6; }
 
 // y = x / sqrt(mean(x^2) + eps) * w per row (RMSNorm as Llama computes it, in fp32).
 // torch's rms_norm costs ~15-30 us of dispatch for one 384-wide row here; this ~1 us.
