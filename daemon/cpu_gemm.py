@@ -18,8 +18,9 @@ row's time for M <= 4 (see the measurements in the README, "Benchmarks").
 Each output is summed in the same order whatever the number of rows, so a
 product's rows equal, bit for bit, what one-row calls give.
 
-Threads: products of at least :data:`THREADED_ROWS` rows are split by output
-panels over OpenMP threads (``torch.get_num_threads()`` of them). The library is
+Threads: products of at least :data:`THREADED_ROWS` rows or :data:`THREADED_WEIGHTS`
+weights are split by output panels over OpenMP threads (``torch.get_num_threads()``
+of them). The library is
 built with ``-fopenmp`` and loaded after torch, whose bundled ``libgomp.so.1``
 then serves it too: one thread pool for both, no oversubscription.
 
@@ -52,6 +53,10 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "
 # at 2 threads and 1,300 cached tokens, 8 / 16-token forwards took 3.80 / 5.44 ms with
 # 8 here against 4.69 / 7.22 ms with 32 (interleaved medians of 40).
 THREADED_ROWS = 8
+# Products with at least this many weights are split across the threads whatever their
+# rows (a decode step's LM head, every product of a large model): one row of them at
+# the FMA units' rate still takes long enough to pay for waking the pool.
+THREADED_WEIGHTS = 1 << 21
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -211,7 +216,8 @@ def mm(
     """``x @ W (+ bias) (+ res)`` for packed ``W``: x ``(M, in)``, result ``(M, out)``.
 
     The sum over ``in`` comes first, then ``bias``, then ``res`` (all fp32).
-    ``threads`` defaults to torch's intra-op threads for ``M >= THREADED_ROWS``, else 1.
+    ``threads`` defaults to torch's intra-op threads for ``M >= THREADED_ROWS`` or at least
+    ``THREADED_WEIGHTS`` weights, else 1.
     """
     lib = _required()
     npanel, k, _ = p.shape
@@ -232,7 +238,8 @@ def mm(
         if res.stride(1) != 1:
             res = res.contiguous()
     if threads is None:
-        threads = torch.get_num_threads() if m >= THREADED_ROWS else 1
+        big = m >= THREADED_ROWS or k * n >= THREADED_WEIGHTS
+        threads = torch.get_num_threads() if big else 1
     if p.dtype not in (torch.float32, torch.float16):
         raise ValueError(f"packed weights must be fp32 or fp16, got {p.dtype}")
     call = lib.cs_gemm_h if p.dtype == torch.float16 else lib.cs_gemm
