@@ -141,8 +141,9 @@ def _load() -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cs_gemm.restype = None
     lib.cs_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
-    lib.cs_gemm_h.restype = None
-    lib.cs_gemm_h.argtypes = lib.cs_gemm.argtypes
+    for narrow in (lib.cs_gemm_h, lib.cs_gemm_b):
+        narrow.restype = None
+        narrow.argtypes = lib.cs_gemm.argtypes
     lib.cs_gemm_version.restype = ctypes.c_int
     lib.cs_attention.restype = None
     lib.cs_attention.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr]
@@ -174,30 +175,37 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+PANEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def packable(w: torch.Tensor) -> bool:
-    """Whether ``w`` (in, out) can be packed: fp32 or fp16 on the CPU, ``out`` a multiple of 16."""
-    on_cpu = w.dtype in (torch.float32, torch.float16) and w.device.type == "cpu"
+    """Whether ``w`` (in, out) can be packed: fp32, fp16 or bf16 on the CPU, ``out`` a
+    multiple of 16."""
+    on_cpu = w.dtype in PANEL_DTYPES and w.device.type == "cpu"
     return on_cpu and w.dim() == 2 and w.shape[1] % PANEL == 0
 
 
-def exactly_half(w: torch.Tensor) -> bool:
-    """Whether every value of ``w`` survives a round trip through fp16 unchanged (weights
-    read from an fp16 checkpoint do), so fp16 panels give the very same products."""
-    if w.dtype == torch.float16:
-        return True
-    return bool(torch.equal(w.to(torch.float16).to(w.dtype), w))
+def narrow_dtype(w: torch.Tensor) -> torch.dtype:
+    """The 16-bit type that holds every value of ``w`` unchanged (fp16 first, then bf16:
+    weights read from an fp16 or a bf16 checkpoint), else fp32. Panels of that type give
+    the very same products for half the bytes."""
+    for dtype in (torch.float16, torch.bfloat16):
+        if w.dtype == dtype or torch.equal(w.to(dtype).to(w.dtype), w):
+            return dtype
+    return torch.float32
 
 
-def pack(w: torch.Tensor, half: bool = False) -> torch.Tensor:
-    """``(in, out)`` weights to panels ``(out / 16, in, 16)``: each panel contiguous.
+def pack(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(in, out)`` weights to panels ``(out / 16, in, 16)`` of ``dtype``: each panel
+    contiguous.
 
-    ``half``: fp16 panels, half the bytes for every product to stream; the kernel widens
-    them to fp32 exactly, so the products equal fp32 panels of ``w.half()``.
+    fp16 and bf16 panels halve the bytes every product streams; the kernel widens them
+    to fp32 exactly, so the products equal fp32 panels of ``w.to(dtype)``.
     """
-    if not packable(w):
+    if not packable(w) or dtype not in PANEL_DTYPES:
         raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} tensor on {w.device}")
     k, n = w.shape
-    w = w.to(torch.float16 if half else torch.float32)
+    w = w.to(dtype)
     return w.reshape(k, n // PANEL, PANEL).permute(1, 0, 2).contiguous()
 
 
@@ -241,9 +249,11 @@ def mm(
     if threads is None:
         big = m >= THREADED_ROWS or k * n >= THREADED_WEIGHTS
         threads = torch.get_num_threads() if big else 1
-    if p.dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"packed weights must be fp32 or fp16, got {p.dtype}")
-    call = lib.cs_gemm_h if p.dtype == torch.float16 else lib.cs_gemm
+    calls = {torch.float32: lib.cs_gemm, torch.float16: lib.cs_gemm_h}
+    calls[torch.bfloat16] = lib.cs_gemm_b
+    call = calls.get(p.dtype)
+    if call is None:
+        raise ValueError(f"packed weights must be fp32, fp16 or bf16, got {p.dtype}")
     call(
         x.data_ptr(),
         m,
@@ -348,12 +358,12 @@ def linear(
 
 
 def maybe_pack(w: torch.Tensor, use: bool, half: bool = False) -> torch.Tensor:
-    """``pack(w, half)`` when ``use`` and it can be packed, else ``w`` unchanged (for
-    :func:`linear`). ``half`` packs fp16 panels when that loses nothing
-    (:func:`exactly_half`), fp32 panels otherwise."""
+    """``pack(w)`` when ``use`` and it can be packed, else ``w`` unchanged (for
+    :func:`linear`). ``half``: 16-bit panels where that loses nothing
+    (:func:`narrow_dtype`), fp32 panels otherwise."""
     if not (use and packable(w)):
         return w
-    return pack(w, half=half and exactly_half(w))
+    return pack(w, narrow_dtype(w) if half else torch.float32)
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -364,11 +374,11 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 __all__ = [
     "PANEL",
     "attention",
-    "exactly_half",
     "library",
     "linear",
     "maybe_pack",
     "mm",
+    "narrow_dtype",
     "norm",
     "pack",
     "packable",

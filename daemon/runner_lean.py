@@ -320,19 +320,23 @@ class LeanRunner:
         ]
 
     def half_panels(self) -> int:
-        """Hold the packed weights as fp16 panels wherever that loses nothing (weights read
-        from an fp16 checkpoint): the same products, bit for bit, for half the bytes each
-        forward streams. Returns the bytes saved (0 without the kernels)."""
+        """Hold the packed weights as 16-bit panels wherever that loses nothing (fp16 or
+        bf16, whichever holds every weight of a matrix: those read from an fp16 or a bf16
+        checkpoint): the same products, bit for bit, for half the bytes each forward
+        streams. Returns the bytes saved (0 without the kernels)."""
         if not self.kernels:
             return 0
         saved = 0
 
         def h(w: torch.Tensor) -> torch.Tensor:
             nonlocal saved
-            if w.dim() != 3 or w.dtype != torch.float32 or not cpu_gemm.exactly_half(w):
+            if w.dim() != 3 or w.dtype != torch.float32:
+                return w
+            dtype = cpu_gemm.narrow_dtype(w)
+            if dtype == torch.float32:
                 return w
             saved += w.numel() * 2
-            return w.to(torch.float16)
+            return w.to(dtype)
 
         self.lm_head_t = h(self.lm_head_t)
         self.layers = [

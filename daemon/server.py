@@ -85,8 +85,9 @@ def _cpu_kernel(engine: Any) -> str:
     """``cpu_gemm`` when the runner's products use the CPU kernel, else why not."""
     if getattr(engine.runner, "kernels", False):
         head = getattr(engine.runner, "lm_head_t", None)
-        half = head is not None and head.dim() == 3 and head.element_size() == 2
-        return "cpu_gemm, fp16 weights" if half else "cpu_gemm"
+        narrow = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+        kind = narrow.get(str(head.dtype)) if head is not None and head.dim() == 3 else None
+        return f"cpu_gemm, {kind} weights" if kind else "cpu_gemm"
     if engine.device.type != "cpu" or engine.runner.name != "lean":
         return "off"
     return cpu_gemm.unavailable_reason() or "off"

@@ -42,7 +42,7 @@ def test_builds_where_it_should() -> None:
     if not _should_build():
         pytest.skip("not an x86-64 AVX2 machine with a C++ compiler")
     assert cpu_gemm.library() is not None, cpu_gemm.unavailable_reason()
-    assert cpu_gemm.library().cs_gemm_version() == 6
+    assert cpu_gemm.library().cs_gemm_version() == 7
 
 
 @needs_kernel
@@ -83,29 +83,40 @@ def test_rows_do_not_depend_on_the_batch_or_threads() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 3, 4, 9])
-def test_half_panels_equal_fp32_panels_of_the_same_weights(m: int) -> None:
-    """fp16 panels read half the bytes and give, bit for bit, the products of fp32 panels
-    holding the same (fp16-representable) weights: threads, bias and residual included."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9])
+def test_16_bit_panels_equal_fp32_panels_of_the_same_weights(m: int, dtype) -> None:
+    """fp16 / bf16 panels read half the bytes and give, bit for bit, the products of fp32
+    panels holding the same (16-bit-representable) weights: threads, bias and residual
+    included."""
     g = torch.Generator().manual_seed(m)
-    w = torch.randn(384, 640, generator=g).half().float()
+    w = torch.randn(384, 640, generator=g).to(dtype).float()
     x = torch.randn(m, 384, generator=g)
     bias = torch.randn(640, generator=g)
     res = torch.randn(m, 640, generator=g)
-    full, half = cpu_gemm.pack(w), cpu_gemm.pack(w, half=True)
-    assert half.dtype == torch.float16 and half.shape == full.shape
-    assert half.element_size() * 2 == full.element_size()
+    full, narrow = cpu_gemm.pack(w), cpu_gemm.pack(w, dtype)
+    assert narrow.dtype == dtype and narrow.shape == full.shape
+    assert narrow.element_size() * 2 == full.element_size()
     for threads in (1, 2):
         assert torch.equal(
-            cpu_gemm.mm(x, half, bias, res, threads=threads),
+            cpu_gemm.mm(x, narrow, bias, res, threads=threads),
             cpu_gemm.mm(x, full, bias, res, threads=threads),
         )
-    # maybe_pack takes fp16 panels only when nothing is lost
-    assert cpu_gemm.maybe_pack(w, True, half=True).dtype == torch.float16
-    exact_not = w + 1e-4
-    assert not cpu_gemm.exactly_half(exact_not)
-    assert cpu_gemm.maybe_pack(exact_not, True, half=True).dtype == torch.float32
+    # maybe_pack takes 16-bit panels only when nothing is lost (fp16 holds most bf16
+    # values of this size too, and is tried first)
+    assert cpu_gemm.maybe_pack(w, True, half=True).dtype == cpu_gemm.narrow_dtype(w)
+    assert cpu_gemm.narrow_dtype(w) != torch.float32
     assert cpu_gemm.maybe_pack(w, False, half=True) is w
+
+
+def test_narrow_dtype_keeps_every_value() -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 32, generator=g)
+    assert cpu_gemm.narrow_dtype(w.half().float()) == torch.float16
+    big = w.bfloat16().float() * 2.0**20  # beyond fp16's range, still bf16
+    assert cpu_gemm.narrow_dtype(big) == torch.bfloat16
+    assert cpu_gemm.narrow_dtype(w + 1e-4) == torch.float32  # neither holds it
+    assert cpu_gemm.maybe_pack(w + 1e-4, True, half=True).dtype == torch.float32
 
 
 @needs_kernel

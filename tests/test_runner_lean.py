@@ -222,17 +222,21 @@ def test_last_only_returns_the_last_row(pair) -> None:
 
 
 @pytest.mark.skipif(cpu_gemm.library() is None, reason="the CPU kernel is unavailable here")
-def test_half_panels_give_the_same_logits_for_an_fp16_checkpoint(tmp_path) -> None:
-    """Weights saved in fp16 are held as fp16 panels by half_panels(): half the bytes, and
-    prefill, decode and tree logits equal the fp32 panels' bit for bit. A checkpoint whose
-    weights fp16 cannot hold keeps fp32 panels (nothing saved)."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_panels_give_the_same_logits_for_a_16_bit_checkpoint(tmp_path, dtype) -> None:
+    """Weights saved in fp16 or bf16 are held as panels of that type by half_panels():
+    half the bytes, and prefill, decode and tree logits equal the fp32 panels' bit for
+    bit. A checkpoint whose weights neither type holds keeps fp32 panels."""
     torch.manual_seed(3)
     model = _randomise(_llama_untied())
-    model.half().save_pretrained(tmp_path)
+    with torch.no_grad():  # an LM head beyond fp16's range: only bf16 holds it
+        model.lm_head.weight.mul_(2.0**22 if dtype == torch.bfloat16 else 1.0)
+    model.to(dtype).save_pretrained(tmp_path)
     full = LeanRunner.from_pretrained(tmp_path, kernels=True)
     half = LeanRunner.from_pretrained(tmp_path, kernels=True)
     assert half.half_panels() > 0
-    assert half.lm_head_t.dtype == torch.float16 and half.layers[0][1].dtype == torch.float16
+    assert half.lm_head_t.dtype == dtype
+    assert half.layers[0][1].dtype in (torch.float16, torch.bfloat16)
     for ids, parents in ((_ids(40, 1), None), (_ids(1, 2), None), (_ids(5, 3), [-1, 0, 0, 1, 2])):
         assert torch.equal(half.forward(ids, parents).logits, full.forward(ids, parents).logits)
     rough = LeanRunner.from_hf_model(_randomise(_llama_untied()), kernels=True)  # fp32 weights

@@ -92,7 +92,7 @@ def build_runners(
     lean = LeanRunner.from_pretrained(
         model_dir, max_length=max_length, compile=compile, kernels=kernels
     )
-    lean.half_panels()  # as the engine loads it: an fp16 checkpoint as fp16 panels
+    lean.half_panels()  # as the engine loads it: an fp16 / bf16 checkpoint as 16-bit panels
     return lean, HFRunner(model.eval(), max_length=max_length), str(model_dir)
 
 
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             hf.model, max_length=max_length, compile=args.compile, kernels=False
         )
         named.insert(1, ("torch", plain))
-    if lean.kernels and lean.lm_head_t.dtype == torch.float16:  # and on fp32 panels
+    narrow = lean.kernels and lean.lm_head_t.dtype != torch.float32
+    if narrow:  # and on fp32 panels
         wide = LeanRunner.from_hf_model(hf.model, max_length=max_length, kernels=True)
         named.insert(1, ("fp32", wide))
     bw = measure_bandwidth()
@@ -183,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     decode = {r["context"]: r["lean_ms"] for r in rows if r["tokens"] == 1}
     others = [label for label, _ in named if label not in ("lean", "hf")]
     kernel_note = "cpu_gemm kernel" if lean.kernels else "torch products"
-    if lean.kernels and lean.lm_head_t.dtype == torch.float16:
-        kernel_note += " with fp16 weight panels (fp32: the same on fp32 panels)"
+    if narrow:
+        width = "fp16" if lean.lm_head_t.dtype == torch.float16 else "bf16"
+        kernel_note += f" with {width} weight panels (fp32: the same on fp32 panels)"
     print(f"model: {desc}   weights {wbytes / 1e6:.1f} MB   threads {args.threads}")
     print(
         f"bandwidth: {bw['best']:.1f} GB/s (W@x {bw['mv']:.1f}, x@W {bw['vm']:.1f}); "

@@ -23,7 +23,8 @@
 namespace {
 
 // One panel row of 16 weights as two fp32 vectors: fp32 panels are read as they are,
-// fp16 panels (half the bytes to stream) are widened exactly with F16C.
+// fp16 panels (half the bytes to stream) are widened exactly with F16C, bf16 ones by
+// a shift.
 inline void load16(const float* p, __m256& w0, __m256& w1) {
   w0 = _mm256_loadu_ps(p);
   w1 = _mm256_loadu_ps(p + 8);
@@ -32,6 +33,17 @@ inline void load16(const float* p, __m256& w0, __m256& w1) {
 inline void load16(const uint16_t* p, __m256& w0, __m256& w1) {
   w0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   w1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
+// bfloat16 bits: the top half of an fp32, so widening is a 16-bit shift (exact).
+struct bf16 {
+  uint16_t bits;
+};
+
+inline void load16(const bf16* p, __m256& w0, __m256& w1) {
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16));
+  w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16));
 }
 
 // MR rows of one panel: 2 * MR accumulators, enough to keep the FMA units busy from
@@ -344,7 +356,7 @@ void cs_attention(const float* q, int64_t KV, int64_t R, int64_t G, int64_t D, c
   }
 }
 
-int cs_gemm_version() { return 6; }
+int cs_gemm_version() { return 7; }
 
 // y = x / sqrt(mean(x^2) + eps) * w per row (RMSNorm as Llama computes it, in fp32).
 // torch's rms_norm costs ~15-30 us of dispatch for one 384-wide row here; this ~1 us.
@@ -392,6 +404,13 @@ void cs_gemm_h(const float* x, int64_t M, int64_t K, int64_t ldx, const uint16_t
                float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr,
                int64_t threads) {
   gemm(x, M, K, ldx, P, N, y, ldy, bias, res, ldr, threads);
+}
+
+// The same with bf16 panels (a bf16 checkpoint's weights, exact in bf16).
+void cs_gemm_b(const float* x, int64_t M, int64_t K, int64_t ldx, const uint16_t* P, int64_t N,
+               float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr,
+               int64_t threads) {
+  gemm(x, M, K, ldx, reinterpret_cast<const bf16*>(P), N, y, ldy, bias, res, ldr, threads);
 }
 
 }  // extern "C"
