@@ -234,16 +234,12 @@ class SampleBuilder:
 
     def _psm(self, pre: str, suf: str, mid: str) -> list[int]:
         """One prefix-suffix-middle sample, ended by the end-of-text token."""
+        return self._psm_ids(self._enc(pre), self._enc(suf), self._enc(mid))
+
+    def _psm_ids(self, pre: list[int], suf: list[int], mid: list[int]) -> list[int]:
+        """:meth:`_psm` of pieces already tokenized."""
         ids = self.ids
-        return [
-            ids[FIM_PREFIX],
-            *self._enc(pre),
-            ids[FIM_SUFFIX],
-            *self._enc(suf),
-            ids[FIM_MIDDLE],
-            *self._enc(mid),
-            ids[EOT],
-        ]
+        return [ids[FIM_PREFIX], *pre, ids[FIM_SUFFIX], *suf, ids[FIM_MIDDLE], *mid, ids[EOT]]
 
     def _copy(self, rng: random.Random, text: str, edited: bool | None = None) -> list[int]:
         """A sample in the layout of ``completion.edit_prompt``: the region's draft ends
@@ -267,7 +263,6 @@ class SampleBuilder:
         draft = "".join(self._edit_lines(rng, region, lines) if edited else region)
         before, mid, after = "".join(lines[:a]), "".join(region), "".join(lines[a + n :])
         copy = draft if draft.endswith("\n") or not draft else draft + "\n"
-        ids = self.ids
         pre_ids = self._enc(before + copy)
         mid_ids = self._enc(mid)
         suf_ids = self._enc(after)[: rng.randint(0, SUFFIX_TOKENS)]
@@ -276,15 +271,7 @@ class SampleBuilder:
         if room < draft_len + 1:
             return self._fim(rng, text)
         keep = rng.randint(draft_len + 1, max(draft_len + 1, min(room, draft_len + 700)))
-        return [
-            ids[FIM_PREFIX],
-            *pre_ids[-keep:],
-            ids[FIM_SUFFIX],
-            *suf_ids,
-            ids[FIM_MIDDLE],
-            *mid_ids,
-            ids[EOT],
-        ]
+        return self._psm_ids(pre_ids[-keep:], suf_ids, mid_ids)
 
     def _repeat(self, rng: random.Random, text: str) -> list[int]:
         """A left-to-right sample that repeats a piece of code (16-160 tokens) 2-4 times.
