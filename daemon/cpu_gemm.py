@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -63,6 +64,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
+_products: dict[torch.dtype, Callable[..., None]] = {}  # panel dtype -> the kernel's product
 
 
 def _cpu_flags() -> set[str]:
@@ -114,7 +116,7 @@ def _build(cxx: str, target: Path) -> None:
 
 
 def _load() -> None:
-    global _lib, _reason, _loaded
+    global _lib, _reason, _loaded, _products
     _loaded = True
     if os.environ.get("CODESPEC_CPU_KERNELS", "1") == "0":
         _reason = "switched off by CODESPEC_CPU_KERNELS=0"
@@ -150,6 +152,8 @@ def _load() -> None:
     lib.cs_attention.argtypes += [ctypes.c_float, ptr, ptr]
     lib.cs_rmsnorm.restype = None
     lib.cs_rmsnorm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64]
+    _products = {torch.float32: lib.cs_gemm, torch.float16: lib.cs_gemm_h}
+    _products[torch.bfloat16] = lib.cs_gemm_b
     _lib = lib
 
 
@@ -228,7 +232,7 @@ def mm(
     ``threads`` defaults to torch's intra-op threads for ``M >= THREADED_ROWS`` or at least
     ``THREADED_WEIGHTS`` weights, else 1.
     """
-    lib = _required()
+    _required()  # loads the kernel (and _products), or says why it cannot
     npanel, k, _ = p.shape
     n = npanel * PANEL
     if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
@@ -249,9 +253,7 @@ def mm(
     if threads is None:
         big = m >= THREADED_ROWS or k * n >= THREADED_WEIGHTS
         threads = torch.get_num_threads() if big else 1
-    calls = {torch.float32: lib.cs_gemm, torch.float16: lib.cs_gemm_h}
-    calls[torch.bfloat16] = lib.cs_gemm_b
-    call = calls.get(p.dtype)
+    call = _products.get(p.dtype)
     if call is None:
         raise ValueError(f"packed weights must be fp32, fp16 or bf16, got {p.dtype}")
     call(
