@@ -168,8 +168,9 @@ def load_runner(
                 r = lean.LeanRunner.from_pretrained(
                     path, device=str(device), dtype=dtype, max_length=max_length
                 )
-                # An fp16 checkpoint's weights as fp16 panels: the same outputs bit for
-                # bit, half the bytes each forward streams (a no-op without the kernel).
+                # An fp16 / bf16 checkpoint's weights as 16-bit panels: the same outputs
+                # bit for bit, half the bytes each forward streams (a no-op without the
+                # kernel).
                 r.half_panels()
             except Exception as exc:
                 raise ModelLoadError(f"cannot load {path}: {_one_line(exc)}") from exc

@@ -278,8 +278,8 @@ class SampleBuilder:
 
         Every repeat after the first is predictable only by finding the earlier copy and
         reading on from it (an induction head), the mechanism that copying a draft,
-        an old version or a repeated line needs; the dense signal makes it form in a
-        fine-tune far shorter than plain code would take."""
+        an old version or a repeated line needs: the densest signal for it. (175 steps
+        of it did not form one in the embedded model; see the README.)"""
         lead, piece, times = self._repeat_parts(rng, text)
         return [*lead, *piece * times, self.ids[EOT]]
 
@@ -554,7 +554,7 @@ def train(cfg: TrainConfig, resume: bool = False, export_dir: str | None = None)
             os.replace(tmp, ckpt)
             if copy_sets:
                 now = {k: round(copy_accuracy(model, v), 4) for k, v in copy_sets.items()}
-                bar.write(f"step {step + 1}: held-out edit-layout middles, top-1 {now}")
+                bar.write(f"step {step + 1}: held-out copy probes, top-1 {now}")
     bar.close()
     windows = heldout_windows(tok, heldout_texts, cfg.seq_len, cfg.eval_windows, cfg.seed)
     loss, acc = evaluate(model, windows)

@@ -490,7 +490,7 @@ class HeadRunner:
         self.max_length = int(max_length)
         layer = head.layers[0]
         # fp32 on an AVX2 CPU: products through the cpu_gemm kernel, as the lean runner;
-        # weights exact in fp16 (a shipped head) as fp16 panels: same outputs, half the bytes
+        # weights exact in 16 bits (a shipped head) as 16-bit panels: same outputs, half the bytes
         self.kernels = cpu_gemm.usable(self.device, dtype)
 
         def t(w: torch.Tensor) -> torch.Tensor:  # (out, in) -> (in, out): x @ W is fastest here

@@ -1,9 +1,9 @@
 """``codespec bench runner``: per-forward time of the lean runner vs the HF runner.
 
 Runners over the same weights: ``lean`` (the lean runner as the engine builds it:
-on an x86-64 CPU with AVX2 its products go through the ``cpu_gemm`` kernel, an fp16
-checkpoint's weights held as fp16 panels), ``fp32`` (the same on fp32 panels; shown
-when lean holds fp16 ones), ``torch`` (the same runner with torch's products, i.e.
+on an x86-64 CPU with AVX2 its products go through the ``cpu_gemm`` kernel, an fp16 or
+bf16 checkpoint's weights held as 16-bit panels), ``fp32`` (the same on fp32 panels;
+shown when lean holds 16-bit ones), ``torch`` (the same runner with torch's products, i.e.
 ``kernels=False``; shown when the kernel is in use) and ``hf`` (fp32).
 
 This module owns the runner micro-benchmark only; it builds runners through their

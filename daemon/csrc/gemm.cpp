@@ -6,7 +6,7 @@
 // the most this register file holds without spilling (5 or 6 rows measured slower).
 // A product of one or two rows takes four or two panels per pass instead, for the same
 // 8 independent sums (one panel alone left the FMA units waiting on its 2 or 4).
-// Panels hold fp32 or fp16 weights (the latter widened exactly on load).
+// Panels hold fp32, fp16 or bf16 weights (the 16-bit ones widened exactly on load).
 // Each output element is summed over k = 0 .. K-1 in order with one FMA per step,
 // whatever M is, so a row's result does not depend on which other rows share the
 // call.
@@ -48,7 +48,7 @@ inline void load16(const bf16* p, __m256& w0, __m256& w1) {
 
 // MR rows of one panel: 2 * MR accumulators, enough to keep the FMA units busy from
 // three rows on. pf: the panel to fetch into L2 while this one is computed (the next
-// one, on the first row group), or nullptr. W: float or uint16_t (fp16 bits).
+// one, on the first row group), or nullptr. W: float, uint16_t (fp16 bits) or bf16.
 template <int MR, typename W>
 inline void block1(const float* x, int64_t ldx, int64_t K, const W* p, float* y,
                   int64_t ldy, const float* bias, const float* res, int64_t ldr,
@@ -86,7 +86,7 @@ inline void block1(const float* x, int64_t ldx, int64_t K, const W* p, float* y,
 // One or two rows of one panel would leave the FMA units waiting on a chain of 2 or 4
 // dependent sums (an FMA's latency is ~4 cycles), so they take 4 or 2 panels at once;
 // each output is still summed over k in order, one FMA per step, as in block1.
-// W: float or uint16_t (fp16 bits); ps: the panel stride.
+// W: float, uint16_t (fp16 bits) or bf16; ps: the panel stride.
 template <int MR, int NP, typename W>
 inline void blockn(const float* x, int64_t ldx, int64_t K, const W* p, int64_t ps, float* y,
                    int64_t ldy, const float* bias, const float* res, int64_t ldr) {
@@ -125,7 +125,7 @@ inline void blockn(const float* x, int64_t ldx, int64_t K, const W* p, int64_t p
   }
 }
 
-// One or two rows: NP panels per pass (see block), then single panels for the rest.
+// One or two rows: NP panels per pass (see blockn), then single panels for the rest.
 template <int MR, int NP, typename W>
 void narrow(const float* x, int64_t K, int64_t ldx, const W* P, int64_t j0, int64_t j1,
             float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr) {
