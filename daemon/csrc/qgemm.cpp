@@ -1,0 +1,1487 @@
+// Products with GGUF block-quantized weights on the CPU (codespec.daemon.quant_gemm).
+//
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) (+ res[M, N]), x fp32, W one of GGUF's block
+// types Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, kept in its own bytes: no fp32 or fp16 copy
+// of the weights ever exists. Weights are widened to fp32 inside the kernel, exactly:
+// w = fma(scale, q, off) with q the block's integer quant as a float and scale / off
+// the block's fp16 scale and min (or the K-quants' d * sc and -dmin * m, exact products
+// of an fp16 and a 6- or 8-bit integer). Every widened weight equals gguf's reference
+// dequantizer's value bit for bit.
+//
+// Layout (made once by cs_q_pack from the GGUF rows): output rows are taken 16 at a time
+// ("panels", padded with zero blocks to a multiple of 16); a panel is the sequence of
+// its K / BK blocks, and one panel block holds the 16 rows' blocks side by side:
+//   header: the 16 rows' scales (fp16 d[16], then Q4_1's m[16] / the K-quants' dmin[16],
+//           then the K-quants' sub-block scales, re-encoded 16 columns wide),
+//   groups: BK / 4 groups of four consecutive k, each holding 16 columns x 4 k values:
+//     N4 (4-bit quants, 32 bytes): byte 4i + t holds (column i, k t) in its low nibble and
+//        (column 8 + i, k t) in its high nibble;
+//     B4 (Q8_0, 64 bytes): byte 4c + t holds (column c, k t);
+//     P4 (a bit plane, 8 bytes, Q5_K's bit 4 and Q6_K's bits 4 and 5): bit 4c + t.
+// A panel block has exactly the bytes of its 16 GGUF blocks (16 x 34, 18, 20, 144, 176 or
+// 210). Expanding a group gives, per column c, a 32-bit lane whose byte t is the quant of
+// k t: the layout AVX-512 wants (one zmm of 16 columns), AVX2 too (two ymm of 8), and the
+// one the integer dot products (vpdpbusd / vpmaddubsw: 4 bytes of k per lane) want.
+//
+// Summation order: each output is summed over k = 0 .. K-1 in order, one FMA per step from
+// +0, then + bias, then + res, whatever M, the thread count or the ISA. So a row's result
+// equals, bit for bit, the one-row product's; the AVX-512, AVX2 and scalar paths agree bit
+// for bit too (the scalar one uses fmaf, the C library's exact fused multiply-add).
+//
+// Paths, per ISA (chosen at run time by the caller: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512
+// F/BW/VL/DQ): "direct" for 1 to 4 rows widens each weight vector in registers and uses it
+// for every row at once (several panels in flight, so the FMA chains overlap); "scratch"
+// for more rows widens a whole panel (K x 16 floats, in L1/L2) once and runs an fp32
+// register-blocked product over it, so the widening is paid once for all rows.
+//
+// A second product, cs_qgemm_i8, is what llama.cpp does instead: each row of x is rounded
+// to int8 per 32 k (one fp32 scale per 32), and blocks are multiplied by integer dot
+// products (AVX-512 VNNI vpdpbusd, else AVX2 vpmaddubsw). Faster for many rows, not exact:
+// its error is that of rounding x to 8 bits. Its rows too are independent of M and threads.
+#include <stdint.h>
+#include <string.h>
+
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define QG_X86 1
+#endif
+
+namespace {
+
+constexpr int T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14;
+
+// Per type: k per block, bytes per GGUF block, k per sub-block (one scale), where the
+// groups start in a panel block, bytes per group.
+template <int T> struct Tr;
+template <> struct Tr<T_Q8_0> { static constexpr int BK = 32, NATIVE = 34, SUB = 32, GOFF = 32, GB = 64; };
+template <> struct Tr<T_Q4_0> { static constexpr int BK = 32, NATIVE = 18, SUB = 32, GOFF = 32, GB = 32; };
+template <> struct Tr<T_Q4_1> { static constexpr int BK = 32, NATIVE = 20, SUB = 32, GOFF = 64, GB = 32; };
+template <> struct Tr<T_Q4_K> { static constexpr int BK = 256, NATIVE = 144, SUB = 32, GOFF = 256, GB = 32; };
+template <> struct Tr<T_Q5_K> { static constexpr int BK = 256, NATIVE = 176, SUB = 32, GOFF = 256, GB = 40; };
+template <> struct Tr<T_Q6_K> { static constexpr int BK = 256, NATIVE = 210, SUB = 16, GOFF = 288, GB = 48; };
+
+struct Desc {
+  int bk, native, sub, goff, gb;
+};
+
+bool desc_of(int t, Desc& d) {
+  switch (t) {
+#define QG_DESC(X) \
+  case X: d = {Tr<X>::BK, Tr<X>::NATIVE, Tr<X>::SUB, Tr<X>::GOFF, Tr<X>::GB}; return true;
+    QG_DESC(T_Q8_0)
+    QG_DESC(T_Q4_0)
+    QG_DESC(T_Q4_1)
+    QG_DESC(T_Q4_K)
+    QG_DESC(T_Q5_K)
+    QG_DESC(T_Q6_K)
+#undef QG_DESC
+    default: return false;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// One GGUF block, decoded to integers: quants q (Q8_0: int8 bits; Q6_K: 0..63, the -32
+// left to the widening), fp16 bits d and m (Q4_1's min, the K-quants' dmin), sub-block
+// scales sc (Q4_K/Q5_K: 8 six-bit; Q6_K: 16 int8 bits) and mins mn (8 six-bit).
+struct Blk {
+  uint16_t d = 0, m = 0;
+  uint8_t sc[16] = {}, mn[8] = {};
+  uint8_t q[256] = {};
+};
+
+inline uint16_t rd16(const uint8_t* p) {
+  uint16_t v;
+  memcpy(&v, p, 2);
+  return v;
+}
+
+inline void wr16(uint8_t* p, uint16_t v) { memcpy(p, &v, 2); }
+
+inline uint64_t rd64(const uint8_t* p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}
+
+inline void wr64(uint8_t* p, uint64_t v) { memcpy(p, &v, 8); }
+
+// Q4_K / Q5_K: 8 six-bit scales and mins packed in 12 bytes (low 6 bits of bytes 0-3 /
+// 4-7 for sub-blocks 0-3; nibbles of bytes 8-11 plus the top 2 bits of bytes 0-7 for 4-7).
+void unpack_k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+void pack_k_scales(const uint8_t* sc, const uint8_t* mn, uint8_t* s) {
+  for (int j = 0; j < 4; ++j) {
+    s[j] = (sc[j] & 63) | ((sc[j + 4] >> 4) << 6);
+    s[j + 4] = (mn[j] & 63) | ((mn[j + 4] >> 4) << 6);
+    s[j + 8] = (sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4);
+  }
+}
+
+void decode_native(int t, const uint8_t* b, Blk& o) {
+  switch (t) {
+    case T_Q8_0:
+      o.d = rd16(b);
+      memcpy(o.q, b + 2, 32);
+      break;
+    case T_Q4_0:
+    case T_Q4_1: {
+      o.d = rd16(b);
+      const uint8_t* qs = b + 2;
+      if (t == T_Q4_1) {
+        o.m = rd16(b + 2);
+        qs = b + 4;
+      }
+      for (int i = 0; i < 16; ++i) {
+        o.q[i] = qs[i] & 15;
+        o.q[i + 16] = qs[i] >> 4;
+      }
+      break;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+      o.d = rd16(b);
+      o.m = rd16(b + 2);
+      unpack_k_scales(b + 4, o.sc, o.mn);
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = t == T_Q4_K ? b + 16 : b + 48;
+      for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles (j & 1) of bytes 32 * (j / 2) ..
+        for (int i = 0; i < 32; ++i) {
+          uint8_t v = (qs[32 * (j / 2) + i] >> (4 * (j & 1))) & 15;
+          if (t == T_Q5_K) v |= ((qh[i] >> j) & 1) << 4;
+          o.q[32 * j + i] = v;
+        }
+      }
+      break;
+    }
+    case T_Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      memcpy(o.sc, b + 192, 16);
+      o.d = rd16(b + 208);
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, r = e % 128;
+        const uint8_t lo = (ql[64 * h + r % 64] >> (r < 64 ? 0 : 4)) & 15;
+        const uint8_t hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+        o.q[e] = lo | (hi << 4);
+      }
+      break;
+    }
+  }
+}
+
+void encode_native(int t, const Blk& o, uint8_t* b) {
+  switch (t) {
+    case T_Q8_0:
+      wr16(b, o.d);
+      memcpy(b + 2, o.q, 32);
+      break;
+    case T_Q4_0:
+    case T_Q4_1: {
+      wr16(b, o.d);
+      uint8_t* qs = b + 2;
+      if (t == T_Q4_1) {
+        wr16(b + 2, o.m);
+        qs = b + 4;
+      }
+      for (int i = 0; i < 16; ++i) qs[i] = (o.q[i] & 15) | (o.q[i + 16] << 4);
+      break;
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+      wr16(b, o.d);
+      wr16(b + 2, o.m);
+      pack_k_scales(o.sc, o.mn, b + 4);
+      uint8_t* qh = b + 16;
+      uint8_t* qs = t == T_Q4_K ? b + 16 : b + 48;
+      if (t == T_Q5_K) memset(qh, 0, 32);
+      memset(qs, 0, 128);
+      for (int j = 0; j < 8; ++j) {
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t v = o.q[32 * j + i];
+          qs[32 * (j / 2) + i] |= (v & 15) << (4 * (j & 1));
+          if (t == T_Q5_K) qh[i] |= ((v >> 4) & 1) << j;
+        }
+      }
+      break;
+    }
+    case T_Q6_K: {
+      uint8_t* ql = b;
+      uint8_t* qh = b + 128;
+      memset(b, 0, 192);
+      for (int e = 0; e < 256; ++e) {
+        const int h = e / 128, r = e % 128;
+        ql[64 * h + r % 64] |= (o.q[e] & 15) << (r < 64 ? 0 : 4);
+        qh[32 * h + r % 32] |= ((o.q[e] >> 4) & 3) << (2 * (r / 32));
+      }
+      memcpy(b + 192, o.sc, 16);
+      wr16(b + 208, o.d);
+      break;
+    }
+  }
+}
+
+// The 16 columns' blocks <-> one panel block (layout in the file comment). K-quant
+// sub-block j's scales: 24 bytes, byte c = sc[c] | (mn[c] & 3) << 6 for c < 16, then
+// nibble c of bytes 16-23 = mn[c] >> 2. Q6_K: 16 bytes per sub-block, byte c = sc[c].
+void pack_block(int t, const Blk* col, uint8_t* p) {
+  Desc ds;
+  desc_of(t, ds);
+  memset(p, 0, 16 * ds.native);
+  for (int c = 0; c < 16; ++c) wr16(p + 2 * c, col[c].d);
+  if (t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K)
+    for (int c = 0; c < 16; ++c) wr16(p + 32 + 2 * c, col[c].m);
+  if (t == T_Q4_K || t == T_Q5_K) {
+    for (int j = 0; j < 8; ++j) {
+      uint8_t* s = p + 64 + 24 * j;
+      for (int c = 0; c < 16; ++c) {
+        s[c] = (col[c].sc[j] & 63) | ((col[c].mn[j] & 3) << 6);
+        s[16 + c / 2] |= ((col[c].mn[j] >> 2) & 15) << (4 * (c & 1));
+      }
+    }
+  }
+  if (t == T_Q6_K)
+    for (int j = 0; j < 16; ++j)
+      for (int c = 0; c < 16; ++c) p[32 + 16 * j + c] = col[c].sc[j];
+  for (int g = 0; g < ds.bk / 4; ++g) {
+    uint8_t* gp = p + ds.goff + g * ds.gb;
+    for (int c = 0; c < 16; ++c) {
+      for (int k = 0; k < 4; ++k) {
+        const uint8_t v = col[c].q[4 * g + k];
+        if (t == T_Q8_0) {
+          gp[4 * c + k] = v;
+        } else {
+          gp[4 * (c % 8) + k] |= (v & 15) << (c < 8 ? 0 : 4);
+        }
+      }
+    }
+    if (t == T_Q5_K || t == T_Q6_K) {
+      for (int plane = 0; plane < (t == T_Q6_K ? 2 : 1); ++plane) {
+        uint64_t bits = 0;
+        for (int c = 0; c < 16; ++c)
+          for (int k = 0; k < 4; ++k)
+            bits |= static_cast<uint64_t>((col[c].q[4 * g + k] >> (4 + plane)) & 1) << (4 * c + k);
+        wr64(gp + 32 + 8 * plane, bits);
+      }
+    }
+  }
+}
+
+void unpack_block(int t, const uint8_t* p, Blk* col) {
+  Desc ds;
+  desc_of(t, ds);
+  for (int c = 0; c < 16; ++c) {
+    col[c] = Blk();
+    col[c].d = rd16(p + 2 * c);
+    if (t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K) col[c].m = rd16(p + 32 + 2 * c);
+  }
+  if (t == T_Q4_K || t == T_Q5_K) {
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* s = p + 64 + 24 * j;
+      for (int c = 0; c < 16; ++c) {
+        col[c].sc[j] = s[c] & 63;
+        col[c].mn[j] = (s[c] >> 6) | (((s[16 + c / 2] >> (4 * (c & 1))) & 15) << 2);
+      }
+    }
+  }
+  if (t == T_Q6_K)
+    for (int j = 0; j < 16; ++j)
+      for (int c = 0; c < 16; ++c) col[c].sc[j] = p[32 + 16 * j + c];
+  for (int g = 0; g < ds.bk / 4; ++g) {
+    const uint8_t* gp = p + ds.goff + g * ds.gb;
+    const uint64_t h0 = (t == T_Q5_K || t == T_Q6_K) ? rd64(gp + 32) : 0;
+    const uint64_t h1 = t == T_Q6_K ? rd64(gp + 40) : 0;
+    for (int c = 0; c < 16; ++c) {
+      for (int k = 0; k < 4; ++k) {
+        uint8_t v;
+        if (t == T_Q8_0) {
+          v = gp[4 * c + k];
+        } else {
+          v = (gp[4 * (c % 8) + k] >> (c < 8 ? 0 : 4)) & 15;
+          v |= ((h0 >> (4 * c + k)) & 1) << 4;
+          v |= ((h1 >> (4 * c + k)) & 1) << 5;
+        }
+        col[c].q[4 * g + k] = v;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Scalar path: the reference for the vector paths' arithmetic, and the fallback on a CPU
+// without AVX2. Compiled for the baseline ISA; std::fma is the C library's exact fused
+// multiply-add (the FMA instruction where the CPU has one), so it rounds as the vector
+// paths' FMAs do.
+
+float h2f(uint16_t h) {
+  const uint32_t s = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 31, m = h & 0x3ffu;
+  uint32_t bits;
+  if (e == 0) {
+    const float f = static_cast<float>(m) * 5.9604644775390625e-8f;  // m * 2^-24, exact
+    return s ? -f : f;
+  } else if (e == 31) {
+    bits = s | 0x7f800000u | (m << 13);
+  } else {
+    bits = s | ((e + 112) << 23) | (m << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Scale and offset of sub-block j of a column: w = fma(scale, q, off) for its quants q.
+void scale_off(int t, const Blk& b, int j, float& scale, float& off) {
+  const float d = h2f(b.d);
+  switch (t) {
+    case T_Q8_0: scale = d; off = 0.0f; break;
+    case T_Q4_0: scale = d; off = d * -8.0f; break;
+    case T_Q4_1: scale = d; off = h2f(b.m); break;
+    case T_Q4_K:
+    case T_Q5_K:
+      scale = d * static_cast<float>(b.sc[j]);
+      off = -(h2f(b.m) * static_cast<float>(b.mn[j]));
+      break;
+    case T_Q6_K:
+      scale = d * static_cast<float>(static_cast<int8_t>(b.sc[j]));
+      off = scale * -32.0f;
+      break;
+  }
+}
+
+// Widen one panel block to w[k][16] (BK rows of 16 columns).
+void widen_block_scalar(int t, const uint8_t* p, float* w) {
+  Desc ds;
+  desc_of(t, ds);
+  Blk col[16];
+  unpack_block(t, p, col);
+  for (int c = 0; c < 16; ++c) {
+    for (int j = 0; j < ds.bk / ds.sub; ++j) {
+      float scale, off;
+      scale_off(t, col[c], j, scale, off);
+      for (int i = 0; i < ds.sub; ++i) {
+        const int k = j * ds.sub + i;
+        const uint8_t v = col[c].q[k];
+        const float q = t == T_Q8_0 ? static_cast<float>(static_cast<int8_t>(v))
+                                    : static_cast<float>(v);
+        w[16 * k + c] = std::fma(scale, q, off);
+      }
+    }
+  }
+}
+
+struct Args {
+  const float* x;
+  int64_t M, K, ldx;
+  const uint8_t* P;
+  int64_t N;
+  float* y;
+  int64_t ldy;
+  const float* bias;
+  const float* res;
+  int64_t ldr;
+  int type;
+  int64_t pstride;  // bytes per panel
+};
+
+// Rows this many at a time in the scratch paths: x's slice stays in L2 (64 x K floats)
+// while every panel is widened once for it.
+constexpr int64_t ROW_CHUNK = 64;
+
+float* scratch(int64_t floats) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < floats) buf.resize(floats);
+  return buf.data();
+}
+
+// One output: its sums in order, + bias, + res.
+inline void put1(const Args& a, int64_t m, int64_t n, float acc) {
+  if (a.bias) acc = acc + a.bias[n];
+  if (a.res) acc = acc + a.res[m * a.ldr + n];
+  a.y[m * a.ldy + n] = acc;
+}
+
+void panels_scalar(const Args& a, int64_t p0, int64_t p1) {
+  Desc ds;
+  desc_of(a.type, ds);
+  const int64_t nb = a.K / ds.bk;
+  float* S = scratch(a.K * 16);
+  for (int64_t m0 = 0; m0 < a.M; m0 += ROW_CHUNK) {
+    const int64_t m1 = a.M - m0 < ROW_CHUNK ? a.M : m0 + ROW_CHUNK;
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* P = a.P + p * a.pstride;
+      for (int64_t b = 0; b < nb; ++b)
+        widen_block_scalar(a.type, P + b * 16 * ds.native, S + b * ds.bk * 16);
+      const int64_t cols = a.N - 16 * p < 16 ? a.N - 16 * p : 16;
+      for (int64_t m = m0; m < m1; ++m) {
+        const float* xr = a.x + m * a.ldx;
+        for (int64_t c = 0; c < cols; ++c) {
+          float acc = 0.0f;
+          for (int64_t k = 0; k < a.K; ++k) acc = std::fma(xr[k], S[16 * k + c], acc);
+          put1(a, m, 16 * p + c, acc);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#ifdef QG_X86
+// =======================================================================================
+// AVX-512 (F, BW, VL, DQ): one zmm = 16 columns.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace {
+namespace z512 {
+
+using V = __m512;
+using I = __m512i;
+
+inline V h16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Byte t of each 32-bit lane, zero-extended (pshufb indexes within each 128-bit lane).
+template <int t>
+inline I byte_u(I z) {
+  const I idx = _mm512_set4_epi32(static_cast<int>(0x80808000u | (12 + t)),
+                                  static_cast<int>(0x80808000u | (8 + t)),
+                                  static_cast<int>(0x80808000u | (4 + t)),
+                                  static_cast<int>(0x80808000u | t));
+  return _mm512_shuffle_epi8(z, idx);
+}
+
+// Byte t of each 32-bit lane, sign-extended.
+template <int t>
+inline I byte_s(I z) {
+  const I idx = _mm512_set4_epi32(static_cast<int>(0x00808080u | ((12u + t) << 24)),
+                                  static_cast<int>(0x00808080u | ((8u + t) << 24)),
+                                  static_cast<int>(0x00808080u | ((4u + t) << 24)),
+                                  static_cast<int>(0x00808080u | (static_cast<unsigned>(t) << 24)));
+  return _mm512_srai_epi32(_mm512_shuffle_epi8(z, idx), 24);
+}
+
+// Group g of four k: lane c = column c, byte t = its quant at k t (unsigned, Q8_0 signed).
+template <int T>
+inline I group(const uint8_t* g) {
+  if constexpr (T == T_Q8_0) {
+    return _mm512_loadu_si512(g);
+  } else {
+    I z = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
+    const I sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    z = _mm512_and_si512(_mm512_srlv_epi16(z, sh), _mm512_set1_epi8(15));
+    if constexpr (T == T_Q5_K || T == T_Q6_K)
+      z = _mm512_mask_add_epi8(z, _cvtu64_mask64(rd64(g + 32)), z, _mm512_set1_epi8(16));
+    if constexpr (T == T_Q6_K)
+      z = _mm512_mask_add_epi8(z, _cvtu64_mask64(rd64(g + 40)), z, _mm512_set1_epi8(32));
+    return z;
+  }
+}
+
+template <int T, int t>
+inline V quant(I z) {
+  if constexpr (T == T_Q8_0) {
+    return _mm512_cvtepi32_ps(byte_s<t>(z));
+  } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q4_K || T == T_Q5_K) {
+    // a table lookup instead of a conversion: vpermps reads the low 4 (vpermt2ps: 5) bits
+    // of each lane, so byte t only needs shifting down, and the float comes out directly
+    // (conversions share the FMA pipes on Zen 4; permutes do not)
+    const V lo = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const I idx = t == 0 ? z : _mm512_srli_epi32(z, 8 * t);
+    if constexpr (T == T_Q5_K) {
+      const V hi = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+      return _mm512_permutex2var_ps(lo, idx, hi);
+    } else {
+      return _mm512_permutexvar_ps(idx, lo);
+    }
+  } else {
+    return _mm512_cvtepi32_ps(byte_u<t>(z));
+  }
+}
+
+inline V neg(V v) { return _mm512_xor_ps(v, _mm512_set1_ps(-0.0f)); }
+
+// Scale and offset vectors of sub-block j of panel block p (see scale_off).
+template <int T>
+inline void scales(const uint8_t* p, int j, V& sc, V& off) {
+  const V d = h16(p);
+  if constexpr (T == T_Q8_0) {
+    sc = d;
+    off = _mm512_setzero_ps();
+  } else if constexpr (T == T_Q4_0) {
+    sc = d;
+    off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+  } else if constexpr (T == T_Q4_1) {
+    sc = d;
+    off = h16(p + 32);
+  } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
+    const uint8_t* s = p + 64 + 24 * j;
+    const I a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    const I sc6 = _mm512_and_si512(a, _mm512_set1_epi32(63));
+    const __m128i hb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 16));
+    const __m128i lo = _mm_and_si128(hb, _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(hb, 4), _mm_set1_epi8(15));
+    const I mhi = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    const I mn6 = _mm512_or_si512(_mm512_slli_epi32(mhi, 2), _mm512_srli_epi32(a, 6));
+    sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc6));
+    off = neg(_mm512_mul_ps(h16(p + 32), _mm512_cvtepi32_ps(mn6)));
+  } else {  // Q6_K
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * j));
+    sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)));
+    off = _mm512_mul_ps(sc, _mm512_set1_ps(-32.0f));
+  }
+}
+
+inline __mmask16 cols_mask(int64_t cols) {
+  return cols >= 16 ? static_cast<__mmask16>(0xffff)
+                    : static_cast<__mmask16>((1u << (cols > 0 ? cols : 0)) - 1);
+}
+
+inline void put(const Args& a, int64_t m, int64_t n, V v, __mmask16 mk) {
+  if (a.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, a.bias + n));
+  if (a.res) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, a.res + m * a.ldr + n));
+  _mm512_mask_storeu_ps(a.y + m * a.ldy + n, mk, v);
+}
+
+// MR rows (from m) x NP panels (from p): widen in registers, every weight vector used for
+// all MR rows; MR * NP independent FMA chains.
+template <int T, int MR, int NP>
+void direct(const Args& a, int64_t m, int64_t p) {
+  using F = Tr<T>;
+  constexpr int BYTES = 16 * F::NATIVE;
+  V acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
+  const float* x = a.x + m * a.ldx;
+  const uint8_t* P = a.P + p * a.pstride;
+  const int64_t nb = a.K / F::BK;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = P + b * BYTES;
+    for (int j = 0; j < F::BK / F::SUB; ++j) {
+      V sc[NP], off[NP];
+      for (int q = 0; q < NP; ++q) scales<T>(blk + q * a.pstride, j, sc[q], off[q]);
+      for (int g = 0; g < F::SUB / 4; ++g) {
+        const int gi = j * (F::SUB / 4) + g;
+        const int64_t k = b * F::BK + 4 * gi;
+        I z[NP];
+        for (int q = 0; q < NP; ++q) z[q] = group<T>(blk + q * a.pstride + F::GOFF + gi * F::GB);
+        auto step = [&](auto tc) {
+          constexpr int t = decltype(tc)::value;
+          V xb[MR];
+          for (int r = 0; r < MR; ++r) xb[r] = _mm512_set1_ps(x[r * a.ldx + k + t]);
+          for (int q = 0; q < NP; ++q) {
+            const V w = _mm512_fmadd_ps(sc[q], quant<T, t>(z[q]), off[q]);
+            for (int r = 0; r < MR; ++r) acc[r][q] = _mm512_fmadd_ps(xb[r], w, acc[r][q]);
+          }
+        };
+        step(std::integral_constant<int, 0>());
+        step(std::integral_constant<int, 1>());
+        step(std::integral_constant<int, 2>());
+        step(std::integral_constant<int, 3>());
+      }
+    }
+  }
+  for (int q = 0; q < NP; ++q) {
+    const __mmask16 mk = cols_mask(a.N - 16 * (p + q));
+    for (int r = 0; r < MR; ++r) put(a, m + r, 16 * (p + q), acc[r][q], mk);
+  }
+}
+
+// A whole panel widened: S[k][16] for k < K.
+template <int T>
+void widen_panel(const uint8_t* P, int64_t K, float* S) {
+  using F = Tr<T>;
+  const int64_t nb = K / F::BK;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = P + b * 16 * F::NATIVE;
+    for (int j = 0; j < F::BK / F::SUB; ++j) {
+      V sc, off;
+      scales<T>(blk, j, sc, off);
+      for (int g = 0; g < F::SUB / 4; ++g) {
+        const int gi = j * (F::SUB / 4) + g;
+        const I z = group<T>(blk + F::GOFF + gi * F::GB);
+        float* s = S + 16 * (b * F::BK + 4 * gi);
+        _mm512_storeu_ps(s, _mm512_fmadd_ps(sc, quant<T, 0>(z), off));
+        _mm512_storeu_ps(s + 16, _mm512_fmadd_ps(sc, quant<T, 1>(z), off));
+        _mm512_storeu_ps(s + 32, _mm512_fmadd_ps(sc, quant<T, 2>(z), off));
+        _mm512_storeu_ps(s + 48, _mm512_fmadd_ps(sc, quant<T, 3>(z), off));
+      }
+    }
+  }
+}
+
+// MR rows (from m) of one widened panel p.
+template <int MR>
+void rows(const Args& a, int64_t m, int64_t p, const float* S) {
+  V acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const float* x = a.x + m * a.ldx;
+  for (int64_t k = 0; k < a.K; ++k) {
+    const V w = _mm512_loadu_ps(S + 16 * k);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * a.ldx + k]), w, acc[r]);
+  }
+  const __mmask16 mk = cols_mask(a.N - 16 * p);
+  for (int r = 0; r < MR; ++r) put(a, m + r, 16 * p, acc[r], mk);
+}
+
+constexpr int SCRATCH_ROWS = 8;  // rows per pass over a widened panel (8 FMA chains)
+
+template <int T, int MR, int NP>
+void direct_range(const Args& a, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + NP <= p1; p += NP) direct<T, MR, NP>(a, 0, p);
+  for (; p < p1; ++p) direct<T, MR, 1>(a, 0, p);
+}
+
+template <int T>
+void panels(const Args& a, int64_t p0, int64_t p1) {
+  switch (a.M) {
+    case 1: return direct_range<T, 1, 4>(a, p0, p1);
+    case 2: return direct_range<T, 2, 4>(a, p0, p1);
+    case 3: return direct_range<T, 3, 2>(a, p0, p1);
+    case 4: return direct_range<T, 4, 2>(a, p0, p1);
+    default: break;
+  }
+  float* S = scratch(a.K * 16);
+  for (int64_t m0 = 0; m0 < a.M; m0 += ROW_CHUNK) {
+    const int64_t m1 = a.M - m0 < ROW_CHUNK ? a.M : m0 + ROW_CHUNK;
+    for (int64_t p = p0; p < p1; ++p) {
+      widen_panel<T>(a.P + p * a.pstride, a.K, S);
+      int64_t m = m0;
+      for (; m + SCRATCH_ROWS <= m1; m += SCRATCH_ROWS) rows<SCRATCH_ROWS>(a, m, p, S);
+      switch (m1 - m) {
+        case 1: rows<1>(a, m, p, S); break;
+        case 2: rows<2>(a, m, p, S); break;
+        case 3: rows<3>(a, m, p, S); break;
+        case 4: rows<4>(a, m, p, S); break;
+        case 5: rows<5>(a, m, p, S); break;
+        case 6: rows<6>(a, m, p, S); break;
+        case 7: rows<7>(a, m, p, S); break;
+        default: break;
+      }
+    }
+  }
+}
+
+void dequant_panel(int t, const uint8_t* P, int64_t K, float* S) {
+  switch (t) {
+    case T_Q8_0: widen_panel<T_Q8_0>(P, K, S); break;
+    case T_Q4_0: widen_panel<T_Q4_0>(P, K, S); break;
+    case T_Q4_1: widen_panel<T_Q4_1>(P, K, S); break;
+    case T_Q4_K: widen_panel<T_Q4_K>(P, K, S); break;
+    case T_Q5_K: widen_panel<T_Q5_K>(P, K, S); break;
+    case T_Q6_K: widen_panel<T_Q6_K>(P, K, S); break;
+  }
+}
+
+}  // namespace z512
+}  // namespace
+#pragma GCC pop_options
+
+// =======================================================================================
+// AVX2 + FMA + F16C: two ymm = 16 columns (lo: columns 0-7, hi: 8-15).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace {
+namespace z256 {
+
+using V = __m256;
+using I = __m256i;
+
+struct V2 {
+  V lo, hi;
+};
+struct I2 {
+  I lo, hi;
+};
+
+inline V h8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+template <int t>
+inline I byte_u(I z) {
+  const I idx = _mm256_setr_epi32(
+      static_cast<int>(0x80808000u | t), static_cast<int>(0x80808000u | (4 + t)),
+      static_cast<int>(0x80808000u | (8 + t)), static_cast<int>(0x80808000u | (12 + t)),
+      static_cast<int>(0x80808000u | t), static_cast<int>(0x80808000u | (4 + t)),
+      static_cast<int>(0x80808000u | (8 + t)), static_cast<int>(0x80808000u | (12 + t)));
+  return _mm256_shuffle_epi8(z, idx);
+}
+
+template <int t>
+inline I byte_s(I z) {
+  const I idx = _mm256_setr_epi32(
+      static_cast<int>(0x00808080u | (static_cast<unsigned>(t) << 24)),
+      static_cast<int>(0x00808080u | ((4u + t) << 24)),
+      static_cast<int>(0x00808080u | ((8u + t) << 24)),
+      static_cast<int>(0x00808080u | ((12u + t) << 24)),
+      static_cast<int>(0x00808080u | (static_cast<unsigned>(t) << 24)),
+      static_cast<int>(0x00808080u | ((4u + t) << 24)),
+      static_cast<int>(0x00808080u | ((8u + t) << 24)),
+      static_cast<int>(0x00808080u | ((12u + t) << 24)));
+  return _mm256_srai_epi32(_mm256_shuffle_epi8(z, idx), 24);
+}
+
+// 32 bits -> 32 bytes, byte i = 0xff where bit i is set.
+inline I bits_to_bytes(uint32_t bits) {
+  const I idx = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                   0x0303030303030303LL);
+  const I v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), idx);
+  const I sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+}
+
+template <int T>
+inline I2 group(const uint8_t* g) {
+  if constexpr (T == T_Q8_0) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 32))};
+  } else {
+    const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
+    const I m15 = _mm256_set1_epi8(15);
+    I2 z = {_mm256_and_si256(v, m15), _mm256_and_si256(_mm256_srli_epi16(v, 4), m15)};
+    if constexpr (T == T_Q5_K || T == T_Q6_K) {
+      const uint64_t h = rd64(g + 32);
+      const I b16 = _mm256_set1_epi8(16);
+      z.lo = _mm256_or_si256(z.lo, _mm256_and_si256(bits_to_bytes(static_cast<uint32_t>(h)), b16));
+      z.hi = _mm256_or_si256(z.hi, _mm256_and_si256(bits_to_bytes(static_cast<uint32_t>(h >> 32)), b16));
+    }
+    if constexpr (T == T_Q6_K) {
+      const uint64_t h = rd64(g + 40);
+      const I b32 = _mm256_set1_epi8(32);
+      z.lo = _mm256_or_si256(z.lo, _mm256_and_si256(bits_to_bytes(static_cast<uint32_t>(h)), b32));
+      z.hi = _mm256_or_si256(z.hi, _mm256_and_si256(bits_to_bytes(static_cast<uint32_t>(h >> 32)), b32));
+    }
+    return z;
+  }
+}
+
+template <int T, int t>
+inline V quant(I z) {
+  if constexpr (T == T_Q8_0) return _mm256_cvtepi32_ps(byte_s<t>(z));
+  else return _mm256_cvtepi32_ps(byte_u<t>(z));
+}
+
+inline V neg(V v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+
+template <int T>
+inline void scales(const uint8_t* p, int j, V2& sc, V2& off) {
+  const V2 d = {h8(p), h8(p + 16)};
+  if constexpr (T == T_Q8_0) {
+    sc = d;
+    off = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  } else if constexpr (T == T_Q4_0) {
+    sc = d;
+    const V m8 = _mm256_set1_ps(-8.0f);
+    off = {_mm256_mul_ps(d.lo, m8), _mm256_mul_ps(d.hi, m8)};
+  } else if constexpr (T == T_Q4_1) {
+    sc = d;
+    off = {h8(p + 32), h8(p + 48)};
+  } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
+    const uint8_t* s = p + 64 + 24 * j;
+    const __m128i a16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    const I alo = _mm256_cvtepu8_epi32(a16), ahi = _mm256_cvtepu8_epi32(_mm_srli_si128(a16, 8));
+    const __m128i hb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 16));
+    const __m128i lo = _mm_and_si128(hb, _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(hb, 4), _mm_set1_epi8(15));
+    const __m128i u = _mm_unpacklo_epi8(lo, hi);
+    const I m63 = _mm256_set1_epi32(63);
+    const I mlo = _mm256_or_si256(_mm256_slli_epi32(_mm256_cvtepu8_epi32(u), 2), _mm256_srli_epi32(alo, 6));
+    const I mhi = _mm256_or_si256(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8)), 2),
+                                  _mm256_srli_epi32(ahi, 6));
+    sc = {_mm256_mul_ps(d.lo, _mm256_cvtepi32_ps(_mm256_and_si256(alo, m63))),
+          _mm256_mul_ps(d.hi, _mm256_cvtepi32_ps(_mm256_and_si256(ahi, m63)))};
+    const V2 dm = {h8(p + 32), h8(p + 48)};
+    off = {neg(_mm256_mul_ps(dm.lo, _mm256_cvtepi32_ps(mlo))),
+           neg(_mm256_mul_ps(dm.hi, _mm256_cvtepi32_ps(mhi)))};
+  } else {  // Q6_K
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * j));
+    sc = {_mm256_mul_ps(d.lo, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8))),
+          _mm256_mul_ps(d.hi, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))))};
+    const V m32 = _mm256_set1_ps(-32.0f);
+    off = {_mm256_mul_ps(sc.lo, m32), _mm256_mul_ps(sc.hi, m32)};
+  }
+}
+
+// 16 outputs of row m from column n (fewer where the matrix ends: cols).
+inline void put(const Args& a, int64_t m, int64_t n, V lo, V hi, int64_t cols) {
+  if (cols >= 16) {
+    if (a.bias) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(a.bias + n));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(a.bias + n + 8));
+    }
+    if (a.res) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(a.res + m * a.ldr + n));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(a.res + m * a.ldr + n + 8));
+    }
+    _mm256_storeu_ps(a.y + m * a.ldy + n, lo);
+    _mm256_storeu_ps(a.y + m * a.ldy + n + 8, hi);
+    return;
+  }
+  float v[16];
+  _mm256_storeu_ps(v, lo);
+  _mm256_storeu_ps(v + 8, hi);
+  for (int64_t c = 0; c < cols; ++c) put1(a, m, n + c, v[c]);
+}
+
+template <int T, int MR, int NP>
+void direct(const Args& a, int64_t m, int64_t p) {
+  using F = Tr<T>;
+  constexpr int BYTES = 16 * F::NATIVE;
+  V acc[MR][NP][2];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q][0] = acc[r][q][1] = _mm256_setzero_ps();
+  const float* x = a.x + m * a.ldx;
+  const uint8_t* P = a.P + p * a.pstride;
+  const int64_t nb = a.K / F::BK;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = P + b * BYTES;
+    for (int j = 0; j < F::BK / F::SUB; ++j) {
+      V2 sc[NP], off[NP];
+      for (int q = 0; q < NP; ++q) scales<T>(blk + q * a.pstride, j, sc[q], off[q]);
+      for (int g = 0; g < F::SUB / 4; ++g) {
+        const int gi = j * (F::SUB / 4) + g;
+        const int64_t k = b * F::BK + 4 * gi;
+        I2 z[NP];
+        for (int q = 0; q < NP; ++q) z[q] = group<T>(blk + q * a.pstride + F::GOFF + gi * F::GB);
+        auto step = [&](auto tc) {
+          constexpr int t = decltype(tc)::value;
+          V xb[MR];
+          for (int r = 0; r < MR; ++r) xb[r] = _mm256_set1_ps(x[r * a.ldx + k + t]);
+          for (int q = 0; q < NP; ++q) {
+            const V w0 = _mm256_fmadd_ps(sc[q].lo, quant<T, t>(z[q].lo), off[q].lo);
+            const V w1 = _mm256_fmadd_ps(sc[q].hi, quant<T, t>(z[q].hi), off[q].hi);
+            for (int r = 0; r < MR; ++r) {
+              acc[r][q][0] = _mm256_fmadd_ps(xb[r], w0, acc[r][q][0]);
+              acc[r][q][1] = _mm256_fmadd_ps(xb[r], w1, acc[r][q][1]);
+            }
+          }
+        };
+        step(std::integral_constant<int, 0>());
+        step(std::integral_constant<int, 1>());
+        step(std::integral_constant<int, 2>());
+        step(std::integral_constant<int, 3>());
+      }
+    }
+  }
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < MR; ++r)
+      put(a, m + r, 16 * (p + q), acc[r][q][0], acc[r][q][1], a.N - 16 * (p + q));
+}
+
+template <int T>
+void widen_panel(const uint8_t* P, int64_t K, float* S) {
+  using F = Tr<T>;
+  const int64_t nb = K / F::BK;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = P + b * 16 * F::NATIVE;
+    for (int j = 0; j < F::BK / F::SUB; ++j) {
+      V2 sc, off;
+      scales<T>(blk, j, sc, off);
+      for (int g = 0; g < F::SUB / 4; ++g) {
+        const int gi = j * (F::SUB / 4) + g;
+        const I2 z = group<T>(blk + F::GOFF + gi * F::GB);
+        float* s = S + 16 * (b * F::BK + 4 * gi);
+        auto step = [&](auto tc) {
+          constexpr int t = decltype(tc)::value;
+          _mm256_storeu_ps(s + 16 * t, _mm256_fmadd_ps(sc.lo, quant<T, t>(z.lo), off.lo));
+          _mm256_storeu_ps(s + 16 * t + 8, _mm256_fmadd_ps(sc.hi, quant<T, t>(z.hi), off.hi));
+        };
+        step(std::integral_constant<int, 0>());
+        step(std::integral_constant<int, 1>());
+        step(std::integral_constant<int, 2>());
+        step(std::integral_constant<int, 3>());
+      }
+    }
+  }
+}
+
+template <int MR>
+void rows(const Args& a, int64_t m, int64_t p, const float* S) {
+  V acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* x = a.x + m * a.ldx;
+  for (int64_t k = 0; k < a.K; ++k) {
+    const V w0 = _mm256_loadu_ps(S + 16 * k), w1 = _mm256_loadu_ps(S + 16 * k + 8);
+    for (int r = 0; r < MR; ++r) {
+      const V xb = _mm256_set1_ps(x[r * a.ldx + k]);
+      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) put(a, m + r, 16 * p, acc[r][0], acc[r][1], a.N - 16 * p);
+}
+
+constexpr int SCRATCH_ROWS = 4;  // 8 accumulators of the 16 registers
+
+template <int T, int MR, int NP>
+void direct_range(const Args& a, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + NP <= p1; p += NP) direct<T, MR, NP>(a, 0, p);
+  for (; p < p1; ++p) direct<T, MR, 1>(a, 0, p);
+}
+
+template <int T>
+void panels(const Args& a, int64_t p0, int64_t p1) {
+  switch (a.M) {
+    case 1: return direct_range<T, 1, 2>(a, p0, p1);
+    case 2: return direct_range<T, 2, 2>(a, p0, p1);
+    default: break;
+  }
+  float* S = scratch(a.K * 16);
+  for (int64_t m0 = 0; m0 < a.M; m0 += ROW_CHUNK) {
+    const int64_t m1 = a.M - m0 < ROW_CHUNK ? a.M : m0 + ROW_CHUNK;
+    for (int64_t p = p0; p < p1; ++p) {
+      widen_panel<T>(a.P + p * a.pstride, a.K, S);
+      int64_t m = m0;
+      for (; m + SCRATCH_ROWS <= m1; m += SCRATCH_ROWS) rows<SCRATCH_ROWS>(a, m, p, S);
+      switch (m1 - m) {
+        case 1: rows<1>(a, m, p, S); break;
+        case 2: rows<2>(a, m, p, S); break;
+        case 3: rows<3>(a, m, p, S); break;
+        default: break;
+      }
+    }
+  }
+}
+
+void dequant_panel(int t, const uint8_t* P, int64_t K, float* S) {
+  switch (t) {
+    case T_Q8_0: widen_panel<T_Q8_0>(P, K, S); break;
+    case T_Q4_0: widen_panel<T_Q4_0>(P, K, S); break;
+    case T_Q4_1: widen_panel<T_Q4_1>(P, K, S); break;
+    case T_Q4_K: widen_panel<T_Q4_K>(P, K, S); break;
+    case T_Q5_K: widen_panel<T_Q5_K>(P, K, S); break;
+    case T_Q6_K: widen_panel<T_Q6_K>(P, K, S); break;
+  }
+}
+
+}  // namespace z256
+}  // namespace
+#pragma GCC pop_options
+#endif  // QG_X86
+
+namespace {
+
+constexpr int ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_VNNI = 3;
+
+bool isa_ok(int isa) {
+  if (isa == ISA_SCALAR) return true;
+#ifdef QG_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (isa == ISA_AVX2) return avx2;
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512dq");
+  if (isa == ISA_AVX512) return avx512;
+  if (isa == ISA_AVX512_VNNI) return avx512 && __builtin_cpu_supports("avx512vnni");
+#endif
+  return false;
+}
+
+using PanelFn = void (*)(const Args&, int64_t, int64_t);
+
+PanelFn pick(int isa, int t) {
+#ifdef QG_X86
+#define QG_PICK(NS)                                  \
+  switch (t) {                                       \
+    case T_Q8_0: return NS::panels<T_Q8_0>;          \
+    case T_Q4_0: return NS::panels<T_Q4_0>;          \
+    case T_Q4_1: return NS::panels<T_Q4_1>;          \
+    case T_Q4_K: return NS::panels<T_Q4_K>;          \
+    case T_Q5_K: return NS::panels<T_Q5_K>;          \
+    case T_Q6_K: return NS::panels<T_Q6_K>;          \
+    default: return nullptr;                         \
+  }
+  if (isa >= ISA_AVX512) QG_PICK(z512)
+  if (isa == ISA_AVX2) QG_PICK(z256)
+#undef QG_PICK
+#endif
+  (void)isa;
+  return panels_scalar;
+}
+
+void run(PanelFn fn, const Args& a, int64_t npanel, int64_t threads) {
+  if (threads <= 1 || npanel < 2) {
+    fn(a, 0, npanel);
+    return;
+  }
+  if (threads > npanel) threads = npanel;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < threads; ++t) fn(a, npanel * t / threads, npanel * (t + 1) / threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+int cs_q_version() { return 1; }
+
+// Whether this CPU runs isa (0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW/VL/DQ, 3 the same
+// with VNNI).
+int cs_q_isa_ok(int isa) { return isa_ok(isa) ? 1 : 0; }
+
+// Bytes of one panel block / k per block for GGML type t; 0 for a type this file lacks.
+int64_t cs_q_block_bytes(int t) {
+  Desc d;
+  return desc_of(t, d) ? 16 * d.native : 0;
+}
+
+int64_t cs_q_block_k(int t) {
+  Desc d;
+  return desc_of(t, d) ? d.bk : 0;
+}
+
+// GGUF rows (N x K / BK blocks of type t) -> panels (ceil(N / 16) x K / BK panel blocks).
+void cs_q_pack(int t, const uint8_t* raw, int64_t N, int64_t K, uint8_t* out) {
+  Desc ds;
+  if (!desc_of(t, ds)) return;
+  const int64_t nb = K / ds.bk, row = nb * ds.native, npanel = (N + 15) / 16;
+  std::vector<Blk> col(16);
+  for (int64_t p = 0; p < npanel; ++p) {
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int c = 0; c < 16; ++c) {
+        const int64_t n = 16 * p + c;
+        col[c] = Blk();
+        if (n < N) decode_native(t, raw + n * row + b * ds.native, col[c]);
+      }
+      pack_block(t, col.data(), out + (p * nb + b) * 16 * ds.native);
+    }
+  }
+}
+
+// The inverse: panels -> the N GGUF rows, byte for byte.
+void cs_q_unpack(int t, const uint8_t* P, int64_t N, int64_t K, uint8_t* raw) {
+  Desc ds;
+  if (!desc_of(t, ds)) return;
+  const int64_t nb = K / ds.bk, row = nb * ds.native, npanel = (N + 15) / 16;
+  std::vector<Blk> col(16);
+  for (int64_t p = 0; p < npanel; ++p) {
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack_block(t, P + (p * nb + b) * 16 * ds.native, col.data());
+      for (int c = 0; c < 16; ++c) {
+        const int64_t n = 16 * p + c;
+        if (n < N) encode_native(t, col[c], raw + n * row + b * ds.native);
+      }
+    }
+  }
+}
+
+// The widened weights W[N][K] (fp32), by isa's widening code.
+void cs_q_dequant(int t, const uint8_t* P, int64_t N, int64_t K, float* out, int isa) {
+  Desc ds;
+  if (!desc_of(t, ds)) return;
+  const int64_t nb = K / ds.bk, npanel = (N + 15) / 16;
+  std::vector<float> S(K * 16);
+  for (int64_t p = 0; p < npanel; ++p) {
+    const uint8_t* P0 = P + p * nb * 16 * ds.native;
+#ifdef QG_X86
+    if (isa >= ISA_AVX512) z512::dequant_panel(t, P0, K, S.data());
+    else if (isa == ISA_AVX2) z256::dequant_panel(t, P0, K, S.data());
+    else
+#endif
+      for (int64_t b = 0; b < nb; ++b)
+        widen_block_scalar(t, P0 + b * 16 * ds.native, S.data() + b * ds.bk * 16);
+    for (int c = 0; c < 16 && 16 * p + c < N; ++c)
+      for (int64_t k = 0; k < K; ++k) out[(16 * p + c) * K + k] = S[16 * k + c];
+  }
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias) (+ res) with W the panels P of type t. threads > 1
+// splits the panels between that many OpenMP threads (torch's pool: the library is
+// loaded after torch and shares its libgomp). Returns 0, or -1 for an unknown type or
+// an isa this CPU lacks.
+int cs_qgemm(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* P,
+             int64_t N, float* y, int64_t ldy, const float* bias, const float* res,
+             int64_t ldr, int64_t threads, int isa) {
+  Desc ds;
+  if (!desc_of(t, ds) || !isa_ok(isa) || K % ds.bk) return -1;
+  Args a{x, M, K, ldx, P, N, y, ldy, bias, res, ldr, t, (K / ds.bk) * 16 * ds.native};
+  PanelFn fn = pick(isa, t);
+  if (!fn) return -1;
+  run(fn, a, (N + 15) / 16, threads);
+  return 0;
+}
+
+}  // extern "C"
+
+
+// =======================================================================================
+// cs_qgemm_i8: x rounded to int8 per 32 k, integer dot products (llama.cpp's way). Not
+// exact: x's rounding error (up to half a step of max|x| / 127 per element) goes into
+// every output. For a block with scale s (and min term o), one sub-block contributes
+//   y += (s * dx) * float(sum_k q_k * xq_k - c * sum_k xq_k)   (c: 8 for Q4_0, 32 for Q6_K,
+//                                                               128 for Q8_0's biased q)
+//   y += o * (dx * float(sum_k xq_k))                          (Q4_1's m, K-quants' -dmin*m)
+// in that order, sub-block after sub-block, for every M, thread count and ISA: the integer
+// sums are exact and the float steps the same, so rows again equal one-row products and
+// the paths agree bit for bit.
+namespace {
+
+struct Xq {
+  std::vector<int8_t> q;     // M x K
+  std::vector<float> dx;     // M x K/32: the step of each 32-block
+  std::vector<float> ms;     // M x K/32: dx * float(sum of the block's q)
+  std::vector<int32_t> s16;  // M x K/16: sums of q per 16
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, Xq& o) {
+  o.q.resize(M * K);
+  o.dx.resize(M * K / 32);
+  o.ms.resize(M * K / 32);
+  o.s16.resize(M * K / 16);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* xb = x + m * ldx + 32 * b;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
+      const float d = amax / 127.0f;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t s[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        float v = std::nearbyint(xb[i] * id);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        const int8_t q = static_cast<int8_t>(v);
+        o.q[m * K + 32 * b + i] = q;
+        s[i / 16] += q;
+      }
+      o.dx[m * (K / 32) + b] = d;
+      o.ms[m * (K / 32) + b] = d * static_cast<float>(s[0] + s[1]);
+      o.s16[m * (K / 16) + 2 * b] = s[0];
+      o.s16[m * (K / 16) + 2 * b + 1] = s[1];
+    }
+  }
+}
+
+struct ArgsI8 {
+  Args a;
+  const Xq* xq;
+};
+
+// The constant c of the formula above (per type) and whether a min term exists.
+constexpr int i8_bias(int t) { return t == T_Q8_0 ? 128 : t == T_Q4_0 ? 8 : t == T_Q6_K ? 32 : 0; }
+constexpr bool i8_min(int t) { return t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K; }
+
+void panels_i8_scalar(const ArgsI8& ai, int64_t p0, int64_t p1) {
+  const Args& a = ai.a;
+  const Xq& xq = *ai.xq;
+  Desc ds;
+  desc_of(a.type, ds);
+  const int64_t nb = a.K / ds.bk;
+  const int c = a.type == T_Q8_0 ? 0 : i8_bias(a.type);  // Q8_0's q are used signed here
+  std::vector<Blk> col(16);
+  std::vector<float> acc(a.M * 16);
+  for (int64_t p = p0; p < p1; ++p) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack_block(a.type, a.P + p * a.pstride + b * 16 * ds.native, col.data());
+      for (int j = 0; j < ds.bk / ds.sub; ++j) {
+        const int64_t k0 = b * ds.bk + j * ds.sub;
+        for (int cc = 0; cc < 16; ++cc) {
+          float scale, off;
+          scale_off(a.type, col[cc], j, scale, off);
+          for (int64_t m = 0; m < a.M; ++m) {
+            const int8_t* xr = xq.q.data() + m * a.K + k0;
+            int32_t dot = -c * xq.s16[m * (a.K / 16) + k0 / 16];
+            if (ds.sub == 32) dot -= c * xq.s16[m * (a.K / 16) + k0 / 16 + 1];
+            for (int i = 0; i < ds.sub; ++i) {
+              const uint8_t v = col[cc].q[j * ds.sub + i];
+              const int32_t q = a.type == T_Q8_0 ? static_cast<int8_t>(v) : v;
+              dot += q * xr[i];
+            }
+            float& y = acc[m * 16 + cc];
+            const float dx = xq.dx[m * (a.K / 32) + k0 / 32];
+            y = std::fma(scale * dx, static_cast<float>(dot), y);
+            if (i8_min(a.type)) y = std::fma(off, xq.ms[m * (a.K / 32) + k0 / 32], y);
+          }
+        }
+      }
+    }
+    const int64_t cols = a.N - 16 * p < 16 ? a.N - 16 * p : 16;
+    for (int64_t m = 0; m < a.M; ++m)
+      for (int64_t cc = 0; cc < cols; ++cc) put1(a, m, 16 * p + cc, acc[m * 16 + cc]);
+  }
+}
+
+}  // namespace
+
+#ifdef QG_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+namespace {
+namespace v512 {
+
+using z512::V;
+using z512::I;
+
+inline int32_t rd32(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+// MR rows (from m) x NP panels (from p), integer dot products with vpdpbusd.
+template <int T, int MR, int NP>
+void direct(const ArgsI8& ai, int64_t m, int64_t p) {
+  using F = Tr<T>;
+  const Args& a = ai.a;
+  const Xq& xq = *ai.xq;
+  constexpr int BYTES = 16 * F::NATIVE;
+  V acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
+  const uint8_t* P = a.P + p * a.pstride;
+  const int64_t nb = a.K / F::BK, k16 = a.K / 16, k32 = a.K / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = P + b * BYTES;
+    for (int j = 0; j < F::BK / F::SUB; ++j) {
+      const int64_t k0 = b * F::BK + j * F::SUB;
+      V sc[NP], off[NP];
+      for (int q = 0; q < NP; ++q) z512::scales<T>(blk + q * a.pstride, j, sc[q], off[q]);
+      I dot[MR][NP];
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* s = xq.s16.data() + (m + r) * k16 + k0 / 16;
+        const int32_t sum = F::SUB == 32 ? s[0] + s[1] : s[0];
+        const I init = _mm512_set1_epi32(-i8_bias(T) * sum);
+        for (int q = 0; q < NP; ++q) dot[r][q] = init;
+      }
+      for (int g = 0; g < F::SUB / 4; ++g) {
+        const int gi = j * (F::SUB / 4) + g;
+        I z[NP];
+        for (int q = 0; q < NP; ++q) {
+          z[q] = z512::group<T>(blk + q * a.pstride + F::GOFF + gi * F::GB);
+          if constexpr (T == T_Q8_0) z[q] = _mm512_xor_si512(z[q], _mm512_set1_epi8(-128));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const I xv = _mm512_set1_epi32(rd32(xq.q.data() + (m + r) * a.K + k0 + 4 * g));
+          for (int q = 0; q < NP; ++q) dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], z[q], xv);
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const V dx = _mm512_set1_ps(xq.dx[(m + r) * k32 + k0 / 32]);
+        for (int q = 0; q < NP; ++q) {
+          acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(sc[q], dx), _mm512_cvtepi32_ps(dot[r][q]),
+                                      acc[r][q]);
+          if constexpr (i8_min(T))
+            acc[r][q] = _mm512_fmadd_ps(off[q], _mm512_set1_ps(xq.ms[(m + r) * k32 + k0 / 32]),
+                                        acc[r][q]);
+        }
+      }
+    }
+  }
+  for (int q = 0; q < NP; ++q) {
+    const __mmask16 mk = z512::cols_mask(a.N - 16 * (p + q));
+    for (int r = 0; r < MR; ++r) z512::put(a, m + r, 16 * (p + q), acc[r][q], mk);
+  }
+}
+
+template <int T, int MR, int NP>
+void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + NP <= p1; p += NP) direct<T, MR, NP>(ai, m, p);
+  for (; p < p1; ++p) direct<T, MR, 1>(ai, m, p);
+}
+
+constexpr int ROWS = 8;  // rows per pass: 2 x 8 accumulators
+
+template <int T>
+void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
+  const int64_t M = ai.a.M;
+  if (M == 1) return range<T, 1, 4>(ai, 0, p0, p1);
+  if (M == 2) return range<T, 2, 2>(ai, 0, p0, p1);
+  // panel by panel, so each panel's bytes are read from memory once for all row groups
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t m = 0;
+    for (; m + ROWS <= M; m += ROWS) direct<T, ROWS, 1>(ai, m, p);
+    switch (M - m) {
+      case 1: direct<T, 1, 1>(ai, m, p); break;
+      case 2: direct<T, 2, 1>(ai, m, p); break;
+      case 3: direct<T, 3, 1>(ai, m, p); break;
+      case 4: direct<T, 4, 1>(ai, m, p); break;
+      case 5: direct<T, 5, 1>(ai, m, p); break;
+      case 6: direct<T, 6, 1>(ai, m, p); break;
+      case 7: direct<T, 7, 1>(ai, m, p); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace v512
+}  // namespace
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace {
+namespace v256 {
+
+using z256::I;
+using z256::I2;
+using z256::V;
+using z256::V2;
+
+inline int32_t rd32(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+// Sums of 4 products per 32-bit lane: u8 quants z times s8 x (Q8_0: signed quants, by
+// |q| times x with q's sign). No pair overflows 16 bits: 2 * 63 * 127 or 2 * 128 * 127.
+template <int T>
+inline I dot4(I acc, I z, I xv) {
+  I p;
+  if constexpr (T == T_Q8_0) p = _mm256_maddubs_epi16(_mm256_abs_epi8(z), _mm256_sign_epi8(xv, z));
+  else p = _mm256_maddubs_epi16(z, xv);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+template <int T, int MR, int NP>
+void direct(const ArgsI8& ai, int64_t m, int64_t p) {
+  using F = Tr<T>;
+  const Args& a = ai.a;
+  const Xq& xq = *ai.xq;
+  constexpr int BYTES = 16 * F::NATIVE;
+  constexpr int C = T == T_Q8_0 ? 0 : i8_bias(T);  // Q8_0 is dotted signed here
+  V2 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int q = 0; q < NP; ++q) acc[r][q] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const uint8_t* P = a.P + p * a.pstride;
+  const int64_t nb = a.K / F::BK, k16 = a.K / 16, k32 = a.K / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = P + b * BYTES;
+    for (int j = 0; j < F::BK / F::SUB; ++j) {
+      const int64_t k0 = b * F::BK + j * F::SUB;
+      V2 sc[NP], off[NP];
+      for (int q = 0; q < NP; ++q) z256::scales<T>(blk + q * a.pstride, j, sc[q], off[q]);
+      I2 dot[MR][NP];
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* s = xq.s16.data() + (m + r) * k16 + k0 / 16;
+        const int32_t sum = F::SUB == 32 ? s[0] + s[1] : s[0];
+        const I init = _mm256_set1_epi32(-C * sum);
+        for (int q = 0; q < NP; ++q) dot[r][q] = {init, init};
+      }
+      for (int g = 0; g < F::SUB / 4; ++g) {
+        const int gi = j * (F::SUB / 4) + g;
+        I2 z[NP];
+        for (int q = 0; q < NP; ++q) z[q] = z256::group<T>(blk + q * a.pstride + F::GOFF + gi * F::GB);
+        for (int r = 0; r < MR; ++r) {
+          const I xv = _mm256_set1_epi32(rd32(xq.q.data() + (m + r) * a.K + k0 + 4 * g));
+          for (int q = 0; q < NP; ++q) {
+            dot[r][q].lo = dot4<T>(dot[r][q].lo, z[q].lo, xv);
+            dot[r][q].hi = dot4<T>(dot[r][q].hi, z[q].hi, xv);
+          }
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const V dx = _mm256_set1_ps(xq.dx[(m + r) * k32 + k0 / 32]);
+        const V ms = _mm256_set1_ps(xq.ms[(m + r) * k32 + k0 / 32]);
+        for (int q = 0; q < NP; ++q) {
+          V2& y = acc[r][q];
+          y.lo = _mm256_fmadd_ps(_mm256_mul_ps(sc[q].lo, dx), _mm256_cvtepi32_ps(dot[r][q].lo), y.lo);
+          y.hi = _mm256_fmadd_ps(_mm256_mul_ps(sc[q].hi, dx), _mm256_cvtepi32_ps(dot[r][q].hi), y.hi);
+          if constexpr (i8_min(T)) {
+            y.lo = _mm256_fmadd_ps(off[q].lo, ms, y.lo);
+            y.hi = _mm256_fmadd_ps(off[q].hi, ms, y.hi);
+          }
+        }
+      }
+    }
+  }
+  for (int q = 0; q < NP; ++q)
+    for (int r = 0; r < MR; ++r)
+      z256::put(a, m + r, 16 * (p + q), acc[r][q].lo, acc[r][q].hi, a.N - 16 * (p + q));
+}
+
+template <int T>
+void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
+  const int64_t M = ai.a.M;
+  if (M == 1) {
+    int64_t p = p0;
+    for (; p + 2 <= p1; p += 2) direct<T, 1, 2>(ai, 0, p);
+    for (; p < p1; ++p) direct<T, 1, 1>(ai, 0, p);
+    return;
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) direct<T, 4, 1>(ai, m, p);
+    switch (M - m) {
+      case 1: direct<T, 1, 1>(ai, m, p); break;
+      case 2: direct<T, 2, 1>(ai, m, p); break;
+      case 3: direct<T, 3, 1>(ai, m, p); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace v256
+}  // namespace
+#pragma GCC pop_options
+#endif  // QG_X86
+
+namespace {
+
+using PanelFnI8 = void (*)(const ArgsI8&, int64_t, int64_t);
+
+PanelFnI8 pick_i8(int isa, int t) {
+#ifdef QG_X86
+#define QG_PICK(NS)                                  \
+  switch (t) {                                       \
+    case T_Q8_0: return NS::panels<T_Q8_0>;          \
+    case T_Q4_0: return NS::panels<T_Q4_0>;          \
+    case T_Q4_1: return NS::panels<T_Q4_1>;          \
+    case T_Q4_K: return NS::panels<T_Q4_K>;          \
+    case T_Q5_K: return NS::panels<T_Q5_K>;          \
+    case T_Q6_K: return NS::panels<T_Q6_K>;          \
+    default: return nullptr;                         \
+  }
+  if (isa == ISA_AVX512_VNNI) QG_PICK(v512)
+  if (isa == ISA_AVX2) QG_PICK(v256)
+#undef QG_PICK
+#endif
+  (void)isa;
+  return panels_i8_scalar;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The int8-activation product (see above): isa 0 scalar, 1 AVX2, 3 AVX-512 VNNI (2, plain
+// AVX-512, is refused: it has no integer dot product worth using). Returns 0, or -1.
+int cs_qgemm_i8(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* P,
+                int64_t N, float* y, int64_t ldy, const float* bias, const float* res,
+                int64_t ldr, int64_t threads, int isa) {
+  Desc ds;
+  if (!desc_of(t, ds) || !isa_ok(isa) || isa == ISA_AVX512 || K % ds.bk || K % 32) return -1;
+  Xq xq;
+  quantize_rows(x, M, K, ldx, xq);
+  ArgsI8 ai{{x, M, K, ldx, P, N, y, ldy, bias, res, ldr, t, (K / ds.bk) * 16 * ds.native}, &xq};
+  PanelFnI8 fn = pick_i8(isa, t);
+  if (!fn) return -1;
+  const int64_t npanel = (N + 15) / 16;
+  if (threads <= 1 || npanel < 2) {
+    fn(ai, 0, npanel);
+    return 0;
+  }
+  if (threads > npanel) threads = npanel;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < threads; ++i) fn(ai, npanel * i / threads, npanel * (i + 1) / threads);
+  return 0;
+}
+
+}  // extern "C"

