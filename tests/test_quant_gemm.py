@@ -263,3 +263,65 @@ def test_the_default_models_matrices() -> None:
     norm = tensors["blk.0.attn_norm.weight"]
     with pytest.raises(ValueError, match="2-D"):
         QuantMatrix.from_gguf_tensor(norm)
+
+
+def _i8_isas() -> list[str]:
+    if quant_gemm.library() is None:
+        return []
+    isas = ["scalar"]
+    if quant_gemm.isa_supported("avx2"):
+        isas.append("avx2")
+    if quant_gemm.i8_isa() == "avx512-vnni":
+        isas.append("avx512-vnni")
+    return isas
+
+
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as linear_i8 sees it: per 32 inputs, step d = max|x| / 127 (fp32), q = x * (1 / d)
+    rounded half to even, clamped to +-127; returns q * d (float64)."""
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)  # (M, K / 32, 1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return torch.from_numpy((q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+def test_i8_variant_is_exact_but_for_rounding_x(qtype: str) -> None:
+    """linear_i8 equals, within fp32 rounding, the float64 product of the weights with x
+    rounded to int8 per 32 inputs; that rounding is its whole error (and a visible one:
+    the exact product is farther away than the bound)."""
+    n, k = 35, k_for(qtype)
+    raw = random_gguf(qtype, n, k, seed=21)
+    w = reference(raw, qtype, n, k)
+    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(9, k, generator=g)  # (9, K)
+    bias = torch.randn(n, generator=g)  # (N,)
+    res = torch.randn(9, n, generator=g)  # (9, N)
+    xr = rounded_rows(x)  # (9, K) float64
+    for isa in _i8_isas():
+        y = quant_gemm.linear_i8(x, qm, bias, res, threads=2, isa=isa)
+        assert_close(y, xr, w, bias + res, f"{qtype} i8 {isa}")
+        with pytest.raises(AssertionError):
+            assert_close(y, x, w, bias + res, "against unrounded x")
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+def test_i8_rows_equal_one_row_products_bit_for_bit(qtype: str) -> None:
+    n, k = 67, k_for(qtype)
+    raw = random_gguf(qtype, n, k, seed=13)
+    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))  # (16, K)
+    isas = _i8_isas()
+    one = torch.cat(
+        [quant_gemm.linear_i8(x[i : i + 1], qm, threads=1, isa="scalar") for i in range(16)]
+    )
+    for isa in isas:
+        for threads in (1, 2):
+            for m in (1, 2, 3, 8, 9, 16):
+                y = quant_gemm.linear_i8(x[:m], qm, threads=threads, isa=isa)
+                assert torch.equal(y, one[:m]), f"{qtype} i8 {isa} threads={threads} M={m}"

@@ -11,8 +11,9 @@ Q8_0) and rows M in 1, 2, 4, 8, 16, the time of one product ``x @ W^T`` by
 - ``torch-int8``: ``torch.ops.aten._weight_int8pack_mm`` (int8 per output channel);
 - ``torch-int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (int4, groups of 32);
 
-printed as a table (ms per product, GB/s of the method's weight bytes at M=1, and M rows'
-cost relative to one row) and one final JSON line.
+printed as a table (ms per product, GB/s of the method's weight bytes at M=1, M rows'
+cost relative to the first row count, and each method's relative error against a float64
+product with the GGUF weights) and one final JSON line.
 
 Weights are random (speed does not depend on values). By default each method cycles
 through enough copies of each matrix (``--cold-mb`` of them) that its weights come from
@@ -81,7 +82,9 @@ def _copies(make: Callable[[], Any], nbytes: int, cold_mb: float) -> list[Any]:
 
 def methods_for(
     k: int, n: int, qtype: str, threads: int, cold_mb: float, rng: np.random.Generator
-) -> list[Method]:
+) -> tuple[list[Method], torch.Tensor]:
+    """The methods for an (n, k) matrix of random ``qtype`` blocks, and those blocks'
+    weights (n, k) fp32, which the float methods multiply (re-quantized for torch's)."""
     raw = random_blocks(qtype, n, k, rng)
     qm = quant_gemm.QuantMatrix.from_bytes(raw, qtype, n, k)
     w = qm.dequantize()  # (n, k) fp32: the same weights for the float methods
@@ -149,7 +152,19 @@ def methods_for(
             lambda x, c: torch.ops.aten._weight_int4pack_mm_for_cpu(x, c[0], g, c[1]),
         )
     )
-    return out
+    return out, w
+
+
+def relative_errors(methods: list[Method], w: torch.Tensor, seed: int) -> dict[str, float]:
+    """Each method's ``||y - y64|| / ||y64||`` for 16 Gaussian rows, y64 the float64
+    product with the GGUF weights ``w`` (n, k): rounding for the exact methods, x's int8
+    rounding for ``-i8``, the weights' own re-quantization for torch's int4 / int8."""
+    x = torch.randn(16, w.shape[1], generator=torch.Generator().manual_seed(seed + 1))  # (16, K)
+    ref = x.double() @ w.double().T  # (16, N)
+    return {
+        meth.name: float((meth.call(x, meth.copies[0]).double() - ref).norm() / ref.norm())
+        for meth in methods
+    }
 
 
 def time_methods(
@@ -209,18 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, k, n, qtype in SHAPES:
         if name not in wanted:
             continue
-        methods = methods_for(k, n, qtype, args.threads, args.cold_mb, rng)
+        methods, w = methods_for(k, n, qtype, args.threads, args.cold_mb, rng)
+        errs = relative_errors(methods, w, args.seed)
         secs = {m: time_methods(methods, m, k, args.reps, args.calls, args.seed) for m in rows}
         print(f"\n{name}: {k} -> {n} ({qtype} weights {methods[0].nbytes / 1e6:.2f} MB)")
         head = "".join(f"{'M=' + str(m):>16}" for m in rows)
-        print(f"{'method':<16}{'MB':>7}{'GB/s M=1':>10}{head}")
+        print(f"{'method':<16}{'MB':>7}{'rel err':>9}{'GB/s M=1':>10}{head}")
         for meth in methods:
             base = secs[rows[0]][meth.name]
             cells = "".join(
                 f"{secs[m][meth.name] * 1e3:>9.3f} x{secs[m][meth.name] / base:<5.2f}" for m in rows
             )
             gbps = meth.nbytes / base / 1e9
-            print(f"{meth.name:<16}{meth.nbytes / 1e6:>7.2f}{gbps:>10.1f}{cells}")
+            err = errs[meth.name]
+            print(f"{meth.name:<16}{meth.nbytes / 1e6:>7.2f}{err:>9.1e}{gbps:>10.1f}{cells}")
             for m in rows:
                 results.append(
                     {
@@ -232,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                         "ms": round(secs[m][meth.name] * 1e3, 5),
                         "gb_per_s": round(meth.nbytes / secs[m][meth.name] / 1e9, 2),
                         "vs_first_rows": round(secs[m][meth.name] / base, 3),
+                        "rel_err": float(f"{errs[meth.name]:.3g}"),
                     }
                 )
-        del methods
+        del methods, w
     print(json.dumps({"bench": "kernels", "threads": args.threads, "isa": isa, "results": results}))
     return 0
 
