@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
+import urllib.parse
+from dataclasses import dataclass, field
 from typing import Any
 
+from codespec.daemon import crossfile, healing
+from codespec.daemon.healing import heal_prompt
 from codespec.daemon.prompts import fim_prompt
 from codespec.daemon.protocol import BAD_PARAMS, ProtocolError
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
 SUFFIX_TOKENS = 128  # the most suffix tokens a prompt carries (all re-fed per keystroke)
 CHARS_PER_TOKEN_CAP = 12  # text read around the cursor: budget * this many characters
+FILE_SEP = "<file_sep>"  # StarCoder-style repository layout (SmolLM2's tokenizer has it)
 
 COMMENT = {
     "python": "#",
@@ -72,13 +76,57 @@ def _head_text(text: str, end: int, chars: int) -> str:
     return text[nl + 1 : end] if 0 <= nl < end else text[cut:end]
 
 
-def complete_prompt(
-    engine: Any, text: str, offset: int, max_tokens: int, context_tokens: int | None = None
-) -> list[int]:
-    """A FIM prompt for a completion at ``offset`` (a plain prefix without FIM tokens).
+@dataclass
+class CompletionPrompt:
+    """What ``complete`` feeds the engine, and how its output is read back.
 
-    The prompt holds at most ``context_tokens`` tokens (default: the model's whole
-    context), leaving room for ``max_tokens``.
+    ``heal``: the text backed off the prompt's end (:mod:`.healing`); the output
+    starts with it and it is not part of the completion. ``stop_lines``: the
+    document's next non-blank line after the cursor; a completed line equal to it
+    ends the completion (it reached the code after the cursor). ``first_line_counts``:
+    whether the completion's first line may be such a line (the cursor's line is
+    blank left of the cursor). ``snippets``: the cross-file context used.
+    """
+
+    prompt_ids: list[int]
+    heal: str = ""
+    stop_lines: tuple[str, ...] = ()
+    first_line_counts: bool = False
+    snippets: list[crossfile.Snippet] = field(default_factory=list)
+
+
+def file_label(uri: str) -> str:
+    """A short path for a ``<file_sep>`` header: the last two parts of the URI's path."""
+    path = urllib.parse.unquote(urllib.parse.urlparse(uri).path) if "://" in uri else uri
+    parts = [p for p in path.replace("\\", "/").split("/") if p]
+    return "/".join(parts[-2:]) or "untitled"
+
+
+def _repo_layout(engine: Any) -> bool:
+    """Whether the tokenizer has StarCoder-style ``<file_sep>`` (repository-level data)."""
+    return FILE_SEP in engine.tokenizer.get_vocab()
+
+
+def complete_prompt(
+    engine: Any,
+    text: str,
+    offset: int,
+    max_tokens: int,
+    context_tokens: int | None = None,
+    uri: str = "",
+    snippets: list[crossfile.Snippet] | None = None,
+    heal: bool = True,
+) -> CompletionPrompt:
+    """The prompt for a completion at ``offset`` of ``text``.
+
+    FIM models get ``<prefix> P <suffix> S <middle>``. Models without FIM tokens get a
+    left-to-right prompt: with ``<file_sep>`` in the vocabulary, the ``snippets`` of
+    other files and then the current file, each under a ``<file_sep>path`` header as
+    repository-level training data is laid out; then the prefix, its last token backed
+    off for healing (``heal``). The prompt holds at most ``context_tokens`` tokens
+    (default: the model's whole context), leaving room for ``max_tokens``; snippets get
+    at most a third of it. The suffix the model cannot see still ends the completion
+    (``stop_lines``).
     """
     window = min(engine.max_length, context_tokens or engine.max_length)
     budget = min(window, engine.max_length - max_tokens - 1)
@@ -86,19 +134,117 @@ def complete_prompt(
         raise ProtocolError(BAD_PARAMS, f"max_tokens {max_tokens} leaves no room for a prompt")
     chars = budget * CHARS_PER_TOKEN_CAP
     prefix_ids = engine.encode(_head_text(text, offset, chars))
-    if engine.fim is None:
-        if not prefix_ids:
-            raise ProtocolError(BAD_PARAMS, "nothing before the cursor to complete from")
-        return _window_prefix(prefix_ids, budget)
-    suffix_ids = engine.encode(text[offset : offset + chars])
-    suf_room = min(len(suffix_ids), SUFFIX_TOKENS, (budget - 3) // 4)
-    pre = _window_prefix(prefix_ids, budget - 3 - suf_room)
-    return fim_prompt(engine.fim, pre, suffix_ids[:suf_room], budget)
+    after = text[offset : offset + chars]
+    line_start = text.rfind("\n", 0, offset) + 1
+    stops = _next_lines(after)
+    first_counts = not text[line_start:offset].strip()
+    if engine.fim is not None:
+        suffix_ids = engine.encode(after)
+        suf_room = min(len(suffix_ids), SUFFIX_TOKENS, (budget - 3) // 4)
+        pre = _window_prefix(prefix_ids, budget - 3 - suf_room)
+        ids = fim_prompt(engine.fim, pre, suffix_ids[:suf_room], budget)
+        return CompletionPrompt(ids, "", stops, first_counts)
+    head: list[int] = []
+    used: list[crossfile.Snippet] = []
+    if _repo_layout(engine) and (uri or snippets):
+        for snip in snippets or []:
+            piece = engine.encode(f"{file_label(snip.uri)}\n{snip.text.rstrip()}\n")
+            if len(head) + len(piece) + 1 > budget // 3:
+                break
+            head += [engine.tokenizer.convert_tokens_to_ids(FILE_SEP), *piece]
+            used.append(snip)
+        head += [engine.tokenizer.convert_tokens_to_ids(FILE_SEP)]
+        head += engine.encode(f"{file_label(uri)}\n")
+    if not prefix_ids and not head:
+        raise ProtocolError(BAD_PARAMS, "nothing before the cursor to complete from")
+    ids = head + _window_prefix(prefix_ids, budget - len(head))
+    healed = ""
+    if heal and prefix_ids:
+        ids, healed = heal_prompt(engine, ids)
+    return CompletionPrompt(ids, healed, stops, first_counts, used)
+
+
+CONTEXTS = ("none", "header", "crossfile")
+
+
+def complete_job(
+    engine: Any,
+    documents: Any,
+    snippets: crossfile.SnippetCache,
+    doc: Any,
+    offset: int,
+    params: Any,
+    multiline: bool,
+    context_tokens: int,
+    context: str = "crossfile",
+) -> Any:
+    """The scheduler job for a completion at ``offset`` of the open document ``doc``:
+    the prompt, the healing constraint, the stop rules. ``context``: ``none`` (the
+    prefix alone), ``header`` (under a ``<file_sep>path`` line) or ``crossfile``
+    (after snippets of the other recent ``documents``). ``params`` (a ``GenParams``)
+    is completed in place: single-line completions stop at a line break."""
+    from codespec.daemon.scheduler import Job
+
+    if context not in CONTEXTS:
+        raise ValueError(f"context must be one of {', '.join(CONTEXTS)}")
+    picked: list[crossfile.Snippet] = []
+    if context == "crossfile":
+        others = [(d.uri, d.version, d.text) for d in documents.recent(exclude=doc.uri)]
+        # characters: about a third of the prompt's token budget
+        picked = snippets.snippets(doc.uri, doc.text, offset, others, context_tokens)
+    cp = complete_prompt(
+        engine,
+        doc.text,
+        offset,
+        params.max_tokens,
+        context_tokens,
+        uri=doc.uri if context != "none" else "",
+        snippets=picked,
+    )
+    if not multiline:
+        params.stop = ["\n", "\r", *params.stop]
+    params.constraint = healing.constraint(engine, cp.heal)
+    job = Job(cp.prompt_ids, params, kind="complete", uri=doc.uri)
+    job.heal, job.stop_lines, job.first_line_counts = cp.heal, cp.stop_lines, cp.first_line_counts
+    return job
+
+
+def _next_lines(after: str) -> tuple[str, ...]:
+    """The first non-blank line after the cursor's line (what a completion must not
+    write again), or nothing."""
+    rest = after.split("\n", 1)
+    if len(rest) < 2:
+        return ()
+    for line in rest[1].split("\n", 8)[:8]:
+        if line.strip():
+            return (line,)
+    return ()
 
 
 def single_line(text: str) -> str:
     """A single-line completion ends before its first line break."""
     return re.split(r"\r\n|\r|\n", text, maxsplit=1)[0]
+
+
+def shape(text: str, multiline: bool, finish_reason: str) -> str:
+    """The completion a client gets: one line, or whole lines.
+
+    A multi-line completion cut short (``length``, or ``loop``: the daemon cut a
+    repetition off) loses its unfinished last line and then any trailing lines that
+    open a block (``:``, ``{``, ``(``, ``[``) with nothing inside it.
+    """
+    if not multiline:
+        return single_line(text)
+    if finish_reason not in ("length", "loop") or "\n" not in text:
+        return text
+    lines = text.split("\n")
+    if finish_reason == "length":
+        lines.pop()  # unfinished
+    while len(lines) > 1 and (
+        not lines[-1].strip() or lines[-1].rstrip().endswith((":", "{", "(", "["))
+    ):
+        lines.pop()
+    return "\n".join(lines)
 
 
 def comment_line(language: str, instruction: str) -> str:

@@ -20,6 +20,7 @@ Must not touch: the engine, sockets, the index itself.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ class Document:
     version: int | None = None
     language: str = ""
     _ids: list[int] | None = field(default=None, repr=False)
+    touched: float = field(default_factory=time.monotonic)  # last open or change
 
     @property
     def text(self) -> str:
@@ -88,6 +90,11 @@ class DocumentStore:
     def uris(self) -> list[str]:
         return list(self._docs)
 
+    def recent(self, exclude: str = "", limit: int = 8) -> list[Document]:
+        """The most recently opened or changed documents, newest first, but ``exclude``."""
+        docs = sorted(self._docs.values(), key=lambda d: d.touched, reverse=True)
+        return [d for d in docs if d.uri != exclude][:limit]
+
     def get(self, uri: str, version: int | None = None) -> Document:
         d = self._docs.get(uri)
         if d is None:
@@ -131,6 +138,7 @@ class DocumentStore:
         d.doc = trial
         d.version = version
         d._ids = None
+        d.touched = time.monotonic()
         if self.on_index:
             self.on_index("change", uri, [dict(c) for c in changes])
         return d

@@ -94,6 +94,11 @@ class Job:
     kind: str = "generate"
     uri: str | None = None
     draft_text_ids: list[int] | None = None
+    # How the output is read back (see completion.CompletionPrompt): healed text the
+    # output starts with, and the lines that end a completion.
+    heal: str = ""
+    stop_lines: tuple[str, ...] = ()
+    first_line_counts: bool = False
     on_delta: Callable[[str], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
@@ -114,6 +119,13 @@ def speculation_policy(requested: str, max_draft: int, active: int, cfg: Any) ->
     if active >= cfg.shorten_at:
         return requested, max(1, max_draft >> (active - cfg.shorten_at + 1))
     return requested, max_draft
+
+
+def _resumed(constraint: Any, done: list[int]) -> Any:
+    """A constraint over a request's whole output, for a turn that starts after ``done``."""
+    if constraint is None:
+        return None
+    return lambda ids: constraint(done + ids)
 
 
 class Scheduler:
@@ -158,7 +170,14 @@ class Scheduler:
                 raise ProtocolError(CANCELLED, "the daemon is shutting down")
             if self._active_locked() >= self.max_queue:
                 raise ProtocolError(OVERLOADED, f"{self.max_queue} requests are in flight already")
-            job.tracker = TextTracker(self.engine.decode, job.params.stop)
+            job.tracker = TextTracker(
+                self.engine.decode,
+                job.params.stop,
+                skip=job.heal,
+                stop_lines=job.stop_lines,
+                first_line_counts=job.first_line_counts,
+                cut_loops=job.kind == "complete",
+            )
             self._queue.append(job)
             self._cond.notify_all()
         return job.future
@@ -265,6 +284,8 @@ class Scheduler:
             seed=job.params.seed,
             stop=job.params.stop,
             max_draft=max(1, max_draft),
+            constraint=_resumed(job.params.constraint, list(job.out_ids)),
+            heal="" if job.out_ids else job.heal,
         )
         info = RequestInfo(
             prompt_ids=prompt,
@@ -301,7 +322,7 @@ class Scheduler:
                         job.out_ids.append(tok)
                     text, hit = job.tracker.update(job.out_ids, final=delta.done)
                     if hit:
-                        finish = "stop"
+                        finish = "loop" if job.tracker.looped else "stop"
                     elif delta.done:
                         finish = delta.stats.finish_reason
                     if text and not job.first_delta:

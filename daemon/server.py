@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon import completion, cpu_gemm
+from codespec.daemon import completion, cpu_gemm, crossfile
 from codespec.daemon.config import Config
 from codespec.daemon.documents import DocumentStore
 from codespec.daemon.engine import GenParams
@@ -162,6 +162,7 @@ class Server:
         self._stopped = asyncio.Event()
         self._stopping = False
         self._index_lock = threading.Lock()
+        self._snippets = crossfile.SnippetCache()
         self._handlers: dict[str, Handler] = {m: getattr(self, f"_h_{m}") for m in METHODS}
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -453,16 +454,20 @@ class Server:
         multiline = p.bool("multiline", False)
         params, speculation, stream = self._gen_params(p, 64 if multiline else 16)
         doc = self.documents.get(uri, p.int("version", None, lo=-(2**31), hi=2**63 - 1))
-        offset = doc.offset(position)
-        prompt = completion.complete_prompt(
-            self.engine, doc.text, offset, params.max_tokens, self.config.limits.context_tokens
+        job = completion.complete_job(
+            self.engine,
+            self.documents,
+            self._snippets,
+            doc,
+            doc.offset(position),
+            params,
+            multiline,
+            self.config.limits.context_tokens,
         )
-        if not multiline:
-            params.stop = ["\n", "\r", *params.stop]
-        job = Job(prompt, params, speculation, kind="complete", uri=uri)
+        job.speculation = speculation
 
         def done(r: JobResult) -> dict[str, Any]:
-            text = r.text if multiline else completion.single_line(r.text)
+            text = completion.shape(r.text, multiline, r.finish_reason)
             return {"text": text, "finish_reason": r.finish_reason, "stats": r.stats}
 
         return self._submit(conn, rid, job, stream, done)

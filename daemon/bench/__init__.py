@@ -4,7 +4,9 @@
 decoding methods side by side on a workload; ``codespec bench runner`` times
 the model runners; ``codespec bench index`` times the n-gram index;
 ``codespec bench make-workloads`` builds the standard workloads from real code;
-``codespec bench latency`` times ``complete`` over the daemon's socket.
+``codespec bench latency`` times ``complete`` over the daemon's socket;
+``codespec bench quality`` scores completions at real cursor positions;
+``codespec bench kernels`` times the quantized CPU products.
 Each prints a table and ends with one JSON line.
 """
 
@@ -19,6 +21,8 @@ SUBCOMMANDS = {
     "latency": "codespec.daemon.bench.latency",
     "eagle": "codespec.daemon.bench.eagle",
     "lookahead": "codespec.daemon.bench.lookahead",
+    "quality": "codespec.daemon.bench.quality",
+    "kernels": "codespec.daemon.bench.kernels",
 }
 
 

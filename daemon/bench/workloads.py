@@ -14,6 +14,11 @@ versions of Python packages fetched with ``pip download`` (sdists, cached under
   draft. ``old`` / ``new`` carry both texts for reporting. The old file is an
   open document.
 - ``novel``: the first lines of a held-out file, nothing indexed, nothing to copy.
+- ``function``: the cursor right after a function's ``def`` line (and docstring);
+  the body is to be written (``codespec bench quality`` checks that it parses).
+
+Completion and function items carry ``expected``, the real text after the cursor
+(the first line is what ``codespec bench quality`` compares a completion with).
 
 Each line: ``{"id", "kind", "prefix", "suffix", "max_tokens", "uri", "documents"}``;
 the benchmark turns prefix / suffix into the model's own FIM prompt.
@@ -122,9 +127,65 @@ def completion_items(files: dict[str, str], tag: str, rng: random.Random, count:
                 "kind": "completion",
                 "prefix": prefix,
                 "suffix": suffix,
+                "expected": "".join(lines[cursor_line - 1 : last]),  # the body not typed yet
                 "max_tokens": 64,
                 "uri": uri,
                 "documents": [{"uri": uri, "text": prefix + suffix}, *others],
+            }
+        )
+        if len(items) >= count:
+            break
+    return items
+
+
+def function_items(files: dict[str, str], tag: str, rng: random.Random, count: int) -> list[dict]:
+    """The cursor right after a function's ``def`` line (and docstring, if any): the
+    whole body is to be written; ``expected`` is the real one."""
+    items = []
+    names = sorted(files)
+    rng.shuffle(names)
+    for rel in names:
+        text = files[rel]
+        lines = text.splitlines(keepends=True)
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        defs = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body
+            and 3 <= (n.end_lineno or n.lineno) - n.lineno <= 30
+        ]
+        if not defs:
+            continue
+        node = rng.choice(defs)
+        body = node.body
+        doc = isinstance(body[0], ast.Expr) and isinstance(
+            getattr(body[0], "value", None), ast.Constant
+        )
+        if doc and len(body) < 2:
+            continue
+        first_body = body[1] if doc else body[0]
+        cursor_line = first_body.lineno  # 1-based: the body starts on this line
+        last = node.end_lineno or node.lineno
+        uri = f"file:///{tag}/{rel}"
+        others = [{"uri": f"file:///{tag}/{o}", "text": files[o]} for o in names if o != rel][:24]
+        items.append(
+            {
+                "id": f"{tag}/{rel}:{node.name}",
+                "kind": "function",
+                "prefix": "".join(lines[: cursor_line - 1]),
+                "suffix": "".join(lines[last:]),
+                "expected": "".join(lines[cursor_line - 1 : last]),
+                "header": "".join(lines[node.lineno - 1 : cursor_line - 1]),
+                "max_tokens": 128,
+                "uri": uri,
+                "documents": [
+                    {"uri": uri, "text": "".join(lines[: cursor_line - 1] + lines[last:])},
+                    *others,
+                ],
             }
         )
         if len(items) >= count:
@@ -207,18 +268,26 @@ def main(argv: list[str] | None = None) -> int:
         if p.stat().st_size < 150_000
     }
     completion = completion_items(stdlib_tests, "stdlib-test", rng, args.count)
+    function = function_items(stdlib_tests, "stdlib-test", rng, args.count // 2)
     edit: list[dict] = []
     for spec in args.packages.split(","):
         name, v_old, v_new = spec.split(":")
         old = package_files(fetch_sdist(name, v_old), name)
         new = package_files(fetch_sdist(name, v_new), name)
         completion += completion_items(new, f"{name}-{v_new}", rng, args.count // 2)
+        function += function_items(new, f"{name}-{v_new}", rng, args.count // 2)
         edits = edit_items(old, new, f"{name}-{v_new}", args.min_unchanged)
         edit += rng.sample(edits, min(len(edits), args.count))
     novel = novel_items(stdlib_tests, rng, args.count)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, items in (("completion", completion), ("edit", edit), ("novel", novel)):
+    workloads = (
+        ("completion", completion),
+        ("function", function),
+        ("edit", edit),
+        ("novel", novel),
+    )
+    for name, items in workloads:
         with open(out / f"{name}.jsonl", "w", encoding="utf-8") as fh:
             for item in items:
                 fh.write(json.dumps(item) + "\n")
@@ -228,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "bench": "make-workloads",
                 "completion": len(completion),
+                "function": len(function),
                 "edit": len(edit),
                 "novel": len(novel),
             }

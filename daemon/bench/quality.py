@@ -1,0 +1,201 @@
+"""``codespec bench quality WORKLOAD.jsonl...``: are the completions any good?
+
+Runs the daemon's own completion path (the document store, the prompt with its
+cross-file context, token healing, the stop rules, the scheduler; no socket) at
+real cursor positions of the ``completion`` and ``function`` workloads that
+``codespec bench make-workloads`` writes, once per prompt variant
+(``--variants none,header,crossfile``, see :data:`codespec.daemon.completion.CONTEXTS`):
+
+- ``completion`` items (the cursor at the start of a body line): a single-line
+  request, its line against the file's real next line — exact match (whitespace
+  at the ends aside) and character similarity (difflib's ratio); and a
+  multi-line request, checked for looping.
+- ``function`` items (the cursor after a ``def`` line): a multi-line request,
+  cut where the block ends as the editor clients cut it; whether ``def`` + body
+  parses, and whether it loops.
+
+Looping (:func:`loops`): a non-blank line written three times, or a piece of 4+
+characters repeated 4+ times in a row, in the completion the daemon returns
+(``loops``); the daemon cuts such a loop off where it starts (``cut``: the share of
+completions it cut). Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import re
+import sys
+import textwrap
+from datetime import date
+from typing import Any
+
+from codespec.daemon.bench.methods import add_engine_args, load_workload, open_engine
+
+_REPEAT = re.compile(r"(.{4,}?)\1{3,}", re.S)
+
+
+def loops(text: str) -> bool:
+    """Whether ``text`` repeats itself: a non-blank line 3+ times, or a 4+ character
+    piece 4+ times in a row."""
+    lines = [s.strip() for s in text.splitlines() if s.strip()]
+    if any(lines.count(s) >= 3 for s in set(lines)):
+        return True
+    return _REPEAT.search(text) is not None
+
+
+def first_line(text: str) -> str:
+    return text.split("\n", 1)[0].strip()
+
+
+def similarity(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def parses(header: str, body: str) -> bool:
+    try:
+        ast.parse(textwrap.dedent(header + body.rstrip() + "\n"))
+    except SyntaxError:
+        return False
+    return True
+
+
+class Runner:
+    """The daemon's completion path without the socket, over one engine."""
+
+    def __init__(self, engine: Any, speculation: str, context_tokens: int) -> None:
+        from codespec.daemon.config import Speculation
+        from codespec.daemon.crossfile import SnippetCache
+        from codespec.daemon.scheduler import Scheduler
+
+        self.engine = engine
+        self.speculation = speculation
+        self.context_tokens = context_tokens
+        self.snippets = SnippetCache()
+        self.scheduler = Scheduler(engine, None, Speculation(), max_queue=4)
+        self.scheduler.start()
+        self.last_cut = False  # whether the daemon cut a loop off the last completion
+
+    def complete(self, item: dict[str, Any], variant: str, multiline: bool) -> str:
+        from codespec.daemon import completion
+        from codespec.daemon.documents import DocumentStore
+        from codespec.daemon.engine import GenParams
+
+        store = DocumentStore()
+        for d in reversed(item.get("documents", [])[1:]):  # the first listed is the newest
+            store.open(d["uri"], d["text"], 1, "python")
+        doc = store.open(item["uri"], item["prefix"] + item.get("suffix", ""), 1, "python")
+        max_tokens = int(item.get("max_tokens", 64)) if multiline else 48
+        params = GenParams(max_tokens=max_tokens)
+        job = completion.complete_job(
+            self.engine,
+            store,
+            self.snippets,
+            doc,
+            len(item["prefix"]),
+            params,
+            multiline,
+            self.context_tokens,
+            variant,
+        )
+        job.speculation = self.speculation
+        result = self.scheduler.submit(job).result()
+        self.last_cut = result.finish_reason == "loop"
+        return completion.shape(result.text, multiline, result.finish_reason)
+
+    def close(self) -> None:
+        self.scheduler.stop()
+
+
+def block(item: dict[str, Any], text: str) -> str:
+    """``text`` cut where the block ends, as the editor clients cut it."""
+    from codespec.lsp.postprocess import CursorContext, truncate_block
+
+    lines = (item["prefix"] + item.get("suffix", "")).splitlines()
+    line = item["prefix"].count("\n")
+    return truncate_block(text, CursorContext.from_lines(lines, line, 0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from codespec.daemon.completion import CONTEXTS
+
+    p = argparse.ArgumentParser(prog="codespec bench quality", description=__doc__.split("\n")[0])
+    p.add_argument("workload", nargs="+", help="completion / function workloads (JSONL)")
+    p.add_argument("--variants", default="none,crossfile", help=f"of {', '.join(CONTEXTS)}")
+    p.add_argument("--limit", type=int, default=0, help="use only the first N items of each")
+    p.add_argument("--speculation", default="auto", help="decoding method (output is the same)")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens at most")
+    add_engine_args(p, threads=2)
+    args = p.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in CONTEXTS]
+    if bad:
+        p.error(f"unknown variants {bad}; choose from {', '.join(CONTEXTS)}")
+    items: list[dict[str, Any]] = []
+    for path in args.workload:
+        wl = [it for it in load_workload(path) if it.get("kind") in ("completion", "function")]
+        if any("expected" not in it for it in wl):
+            p.error(f"{path}: items lack 'expected'; rebuild with codespec bench make-workloads")
+        items += wl[: args.limit] if args.limit else wl
+    if not items:
+        p.error("no completion or function items in the workloads")
+    engine = open_engine(args)
+    runner = Runner(engine, args.speculation, args.context)
+    rows = {v: {"completion": 0, "exact": 0, "similarity": 0.0, "function": 0, "parses": 0,
+                "multi": 0, "loops": 0, "cut": 0} for v in variants}  # fmt: skip
+    try:
+        for n, item in enumerate(items):
+            for v in variants:  # variants alternate per item, so drift hits them alike
+                r = rows[v]
+                if item["kind"] == "completion":
+                    got = first_line(runner.complete(item, v, multiline=False))
+                    want = first_line(item["expected"])
+                    r["completion"] += 1
+                    r["exact"] += int(got == want)
+                    r["similarity"] += similarity(got, want)
+                    multi = runner.complete(item, v, multiline=True)
+                else:
+                    multi = block(item, runner.complete(item, v, multiline=True))
+                    r["function"] += 1
+                    r["parses"] += int(parses(item["header"], multi))
+                r["multi"] += 1
+                r["loops"] += int(loops(multi))
+                r["cut"] += int(runner.last_cut)
+            print(f"  [{n + 1}/{len(items)}] {item['id']}", flush=True, file=sys.stderr)
+    finally:
+        runner.close()
+    print(
+        f"codespec bench quality ({date.today()}, model {engine.model_name}, "
+        f"{engine.runner.name} runner, {args.threads} threads)"
+    )
+    head = f"{'variant':<11}{'lines':>6}{'exact':>8}{'similar':>9}"
+    head += f"{'funcs':>7}{'parse':>8}{'loops':>8}{'cut':>7}"
+    print(head)
+    print("-" * len(head))
+    out = []
+    for v, r in rows.items():
+        c, f, m = r["completion"], r["function"], r["multi"]
+        exact = r["exact"] / c if c else 0.0
+        sim = r["similarity"] / c if c else 0.0
+        parse = r["parses"] / f if f else 0.0
+        loop = r["loops"] / m if m else 0.0
+        cut = r["cut"] / m if m else 0.0
+        print(f"{v:<11}{c:>6}{exact:>8.1%}{sim:>9.3f}{f:>7}{parse:>8.1%}{loop:>8.1%}{cut:>7.1%}")
+        out.append(
+            {
+                "variant": v,
+                "lines": c,
+                "first_line_exact": round(exact, 4),
+                "first_line_similarity": round(sim, 4),
+                "functions": f,
+                "parses": round(parse, 4),
+                "completions": m,
+                "loops": round(loop, 4),
+                "loops_cut": round(cut, 4),
+            }
+        )
+    summary = {"bench": "quality", "date": str(date.today()), "model": engine.model_name}
+    print(json.dumps({**summary, "rows": out}))
+    return 0

@@ -1,0 +1,132 @@
+"""Token healing: a prompt that ends inside what would be one token is backed off.
+
+Owns: the text of every vocabulary entry (:class:`TokenTexts`, built once per
+tokenizer) and :class:`Healing`, the constraint that makes the first generated
+tokens spell out the text that was backed off.
+
+Why: a cursor rarely sits on a token boundary of the text the model would
+write. With SmolLM2's tokenizer ``"\\n        if"`` is ``["\\n       ", " if"]``:
+a prompt ending at ``"...):\\n"`` ends with a lone ``"\\n"`` token the model
+almost never saw followed by indentation, so it writes the next line at column
+0 (or noise); a prompt ending in ``"from "`` ends with a lone ``" "``. Backing
+off the prompt's last token and requiring the output to start with that
+token's text lets the model pick its own split (``"\\n       "`` then
+``" if"``), as guidance's token healing does.
+
+The constraint: while the backed-off text ``R`` is not yet covered, the next
+token must either start with the rest of ``R`` or be a proper prefix of it;
+once covered, decoding is free. The engine applies it as a mask on the logits
+of those steps and drafts nothing while it is active, so plain and speculative
+decoding see the same masked distribution (losslessness is kept).
+
+Must not touch: the engine's loop, prompts, documents.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+_TEXTS: weakref.WeakKeyDictionary[Any, TokenTexts] = weakref.WeakKeyDictionary()
+
+
+class TokenTexts:
+    """The text each token id adds when decoded after other text.
+
+    ``text[i]`` is ``None`` for special tokens and for byte pieces that are not
+    whole UTF-8 characters (they never take part in healing). ``by_first`` maps a
+    first character to the ids whose text starts with it.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        backend = tokenizer.backend_tokenizer
+        specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+        for tid, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+            if getattr(tok, "special", False):
+                specials.add(int(tid))
+        anchor = backend.encode("a", add_special_tokens=False).ids[:1] or [0]
+        base = backend.decode(anchor, skip_special_tokens=False)
+        n = min(vocab_size, backend.get_vocab_size(with_added_tokens=True))
+        decoded = backend.decode_batch([[*anchor, i] for i in range(n)], skip_special_tokens=False)
+        self.text: list[str | None] = [None] * vocab_size
+        self.by_first: dict[str, list[int]] = defaultdict(list)
+        for i, s in enumerate(decoded):
+            if i in specials or not s.startswith(base):
+                continue
+            piece = s[len(base) :]
+            if not piece or "\ufffd" in piece:
+                continue
+            self.text[i] = piece
+            self.by_first[piece[0]].append(i)
+
+    @classmethod
+    def of(cls, tokenizer: Any, vocab_size: int) -> TokenTexts:
+        """The table for ``tokenizer``, built on first use and kept while it lives."""
+        table = _TEXTS.get(tokenizer)
+        if table is None or len(table.text) != vocab_size:
+            table = cls(tokenizer, vocab_size)
+            _TEXTS[tokenizer] = table
+        return table
+
+    def allowed(self, rest: str) -> list[int]:
+        """Ids whose text starts with ``rest`` or is a proper prefix of it."""
+        out = []
+        for i in self.by_first.get(rest[:1], ()):
+            t = self.text[i]
+            assert t is not None
+            if t.startswith(rest) or rest.startswith(t):
+                out.append(i)
+        return out
+
+
+class Healing:
+    """The constraint that the output starts with ``text`` (see the module docstring).
+
+    Called with the ids generated so far, it returns a bool mask ``(V,)`` of the
+    tokens allowed next, or ``None`` once ``text`` is covered. Stateless: a
+    request resumed after preemption asks again with every id it generated.
+    """
+
+    def __init__(self, texts: TokenTexts, text: str) -> None:
+        self.texts = texts
+        self.text = text
+
+    def __call__(self, generated: Sequence[int]) -> torch.Tensor | None:
+        covered = 0
+        for tok in generated:
+            if covered >= len(self.text):
+                return None
+            piece = self.texts.text[tok] or ""
+            covered += len(piece)
+        if covered >= len(self.text):
+            return None
+        ids = self.texts.allowed(self.text[covered:])
+        mask = torch.zeros(len(self.texts.text), dtype=torch.bool)
+        mask[ids] = True
+        return mask
+
+
+def constraint(engine: Any, text: str) -> Healing | None:
+    """The healing constraint for ``text`` backed off a prompt (None for nothing)."""
+    if not text:
+        return None
+    return Healing(TokenTexts.of(engine.tokenizer, engine.runner.vocab_size), text)
+
+
+def heal_prompt(engine: Any, ids: list[int]) -> tuple[list[int], str]:
+    """Back off the prompt's last token when healing can regrow it: ``(ids, text)``.
+
+    The last token stays when it is special or not a whole piece of text, or when
+    it is the only token.
+    """
+    if len(ids) < 2:
+        return ids, ""
+    texts = TokenTexts.of(engine.tokenizer, engine.runner.vocab_size)
+    last = texts.text[ids[-1]] if ids[-1] < len(texts.text) else None
+    if not last:
+        return ids, ""
+    return ids[:-1], last
