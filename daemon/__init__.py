@@ -2,5 +2,6 @@
 
 The engine (model, KV cache slots, decode loop), the runners, the socket
 server with its document store and scheduler, the CLI, the trainers and the
-benchmarks. The shipped model lives in ``embedded/``.
+benchmarks. The default model (SmolLM2-135M-Instruct) is fetched once into
+the model cache by ``models.py``; nothing model-sized ships in the package.
 """

@@ -8,7 +8,7 @@ Must not touch: the engine, sockets, documents.
 File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
 ``~/.config/codespec/config.toml``)::
 
-    model = "/path/to/hf/model"      # default: the embedded model
+    model = "/path/to/hf/model"      # default: SmolLM2-135M-Instruct (fetched once)
     device = "auto"                  # auto | cpu | cuda
     runner = "auto"                  # auto | lean | hf
     socket = "/run/user/1000/codespec/daemon.sock"
@@ -56,7 +56,7 @@ class Limits:
     max_documents: int = 512
     max_document_chars: int = 4_000_000
     # Prompt tokens a completion carries at most (prefix + suffix): each first keystroke
-    # at a new spot prefills this much, and the embedded model was trained on 1,024.
+    # at a new spot prefills this much (the first, retired default was trained on 1,024).
     context_tokens: int = 1024
 
 

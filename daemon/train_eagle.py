@@ -1,7 +1,7 @@
 """`codespec train-eagle`: train an EAGLE-3 draft head on a model's own hidden states.
 
 Owns: the head's training data (a folder of ``.py`` files, by default the
-standard-library training sources of ``train_model``; ``Lib/test`` held out),
+standard-library training sources of ``train_data``; ``Lib/test`` held out),
 the draft vocabulary (the most frequent tokens of that code), the training
 loop (the target runs in fp32 without gradients over each batch to give the
 taps and its distribution on the fly; training-time test unrolls several draft
@@ -39,10 +39,11 @@ from typing import Any
 
 import torch
 
-from codespec.daemon.train_model import (
+from codespec.daemon.models import display_name
+from codespec.daemon.train_data import (
     SPECIAL_TOKENS,
     SampleBuilder,
-    TrainConfig,
+    SampleConfig,
     collect_sources,
     heldout_windows,
     read_texts,
@@ -100,7 +101,7 @@ class WindowBuilder:
     """Left-to-right windows of ``seq_len + 1`` tokens, for tokenizers without codespec's FIM
     tokens. Row ``i`` of step ``s`` depends only on (seed, s, i)."""
 
-    def __init__(self, tok: Any, texts: list[str], cfg: TrainConfig) -> None:
+    def __init__(self, tok: Any, texts: list[str], cfg: SampleConfig) -> None:
         self.tok, self.texts, self.cfg = tok, texts, cfg
         self.weights = [len(t) for t in texts]
 
@@ -274,7 +275,7 @@ def heldout_acceptance(
     1..i-1 were accepted) and P(accepted length >= i); the bonus token is not counted.
     """
     from codespec.daemon.engine import Engine, GenParams
-    from codespec.daemon.train_model import collect_sources as sources
+    from codespec.daemon.train_data import collect_sources as sources
     from codespec.speculators.eagle import EagleProposer
 
     engine = Engine(model_path, device="cpu")
@@ -347,7 +348,7 @@ def build_head(target: Target, cfg: EagleTrainConfig, tok: Any, texts: list[str]
 def sample_builder(tok: Any, texts: list[str], cfg: Any) -> Any:
     """Training rows: FIM / left-to-right samples when the tokenizer has the FIM tokens,
     plain windows otherwise (``cfg`` gives ``seq_len``, ``seed``, ``fim_rate``)."""
-    tcfg = TrainConfig(seq_len=cfg.seq_len, seed=cfg.seed, fim_rate=cfg.fim_rate)
+    tcfg = SampleConfig(seq_len=cfg.seq_len, seed=cfg.seed, fim_rate=cfg.fim_rate)
     has_fim = all(tok.token_to_id(s) is not None for s in SPECIAL_TOKENS)
     return SampleBuilder(tok, texts, tcfg) if has_fim else WindowBuilder(tok, texts, tcfg)
 
@@ -484,7 +485,7 @@ def train(
     name: str | None = None,
 ) -> int:
     model_path, out, tok, texts, target = prepare(cfg, model, data)
-    head, coverage = build_head(target, cfg, tok, texts, name or model or "codespec-embedded")
+    head, coverage = build_head(target, cfg, tok, texts, name or model or display_name(model_path))
     print(
         f"target {model_path}: {target.num_layers} layers; head taps {head.cfg.taps}, "
         f"draft vocab {head.cfg.draft_vocab_size} (covers {coverage:.1%} of corpus tokens), "
@@ -545,7 +546,7 @@ def train(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec train-eagle", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="target model folder (default: the embedded)")
+    p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=None, help="a folder of .py files (default: stdlib sources)")
     defaults = EagleTrainConfig()
     for name, value in asdict(defaults).items():

@@ -10,7 +10,7 @@ engine) and the export (``medusa.save_heads``).
 Reuses by import from ``train_eagle``: ``Target``, ``load_texts``,
 ``load_tokenizer``, ``draft_vocabulary`` and ``run_training`` (the shared loop:
 seeded rows, resume, wall-clock budget, learning-rate schedule, progress bar,
-checkpoints); from ``train_model`` the held-out windows.
+checkpoints); from ``train_data`` the held-out sources.
 
 Must not touch: the target model's weights (frozen, never written), the
 engine's decode loop, the daemon, the EAGLE trainer.
@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from codespec.daemon.models import display_name
+from codespec.daemon.train_data import collect_sources
 from codespec.daemon.train_eagle import (
     Target,
     draft_vocabulary,
@@ -40,9 +42,6 @@ from codespec.daemon.train_eagle import (
     prepare,
     run_figures,
     run_training,
-)
-from codespec.daemon.train_model import (
-    collect_sources,
 )
 from codespec.speculators.medusa import MedusaConfig, MedusaHeads, save_heads
 
@@ -204,7 +203,9 @@ def train(
     name: str | None = None,
 ) -> int:
     model_path, out, tok, texts, target = prepare(cfg, model, data)
-    heads, coverage = build_heads(target, cfg, tok, texts, name or model or "codespec-embedded")
+    heads, coverage = build_heads(
+        target, cfg, tok, texts, name or model or display_name(model_path)
+    )
     n_params = sum(p.numel() for p in heads.parameters())
     print(
         f"target {model_path}: {target.num_layers} layers; {cfg.heads} heads on tap "
@@ -269,7 +270,7 @@ def _medusa_step(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec train-medusa", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="target model folder (default: the embedded)")
+    p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=None, help="a folder of .py files (default: stdlib sources)")
     defaults = MedusaTrainConfig()
     for name, value in asdict(defaults).items():

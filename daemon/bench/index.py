@@ -30,14 +30,10 @@ from typing import Any
 
 import numpy as np
 
-import codespec.daemon
+from codespec.daemon import models
 from codespec.ngram_index import NgramIndex
 
 KEYS = "abcdefghijklmnopqrstuvwxyz_(). :,=0123456789"
-
-
-def default_tokenizer_path() -> Path:
-    return Path(codespec.daemon.__file__).parent / "embedded" / "tokenizer.json"
 
 
 def stdlib_files() -> list[Path]:
@@ -45,24 +41,23 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-def load_tokenizer(path: str | None, vocab_size: int) -> tuple[Any, str]:
+def load_tokenizer(path: str | None) -> tuple[Any, str]:
+    """``path`` (a tokenizer.json, or a model folder holding one), else the default
+    model's tokenizer (the model is fetched once if it is not cached yet)."""
     from tokenizers import Tokenizer
 
-    chosen = Path(path) if path else default_tokenizer_path()
-    if chosen.exists():
-        return Tokenizer.from_file(str(chosen)), str(chosen)
     if path:
-        raise SystemExit(f"no tokenizer at {path}")
-    from codespec.daemon.train_model import train_tokenizer
-
-    texts, size = [], 0
-    for p in stdlib_files():
-        text = p.read_text(errors="replace")
-        texts.append(text)
-        size += len(text)
-        if size > 2_000_000:
-            break
-    return train_tokenizer(texts, vocab_size), f"trained here ({vocab_size} ids, 2 MB of stdlib)"
+        chosen = Path(path)
+        if chosen.is_dir():
+            chosen = chosen / "tokenizer.json"
+        if not chosen.is_file():
+            raise SystemExit(f"codespec bench index: error: no tokenizer at {path}")
+    else:
+        try:
+            chosen = models.default_model() / "tokenizer.json"
+        except models.ModelError as exc:
+            raise SystemExit(f"codespec bench index: error: {exc}") from None
+    return Tokenizer.from_file(str(chosen)), str(chosen)
 
 
 def file_of_lines(files: list[Path], n_lines: int) -> str:
@@ -166,8 +161,7 @@ def bench_lookup(idx: NgramIndex, n: int, rng: random.Random) -> dict[str, float
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="codespec bench index", description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizer", help="tokenizer.json (default: the embedded model's)")
-    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary when training one here")
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: the default model's)")
     ap.add_argument("--lines", default="1000,5000,20000", help="file sizes for the keystroke sweep")
     ap.add_argument("--keystrokes", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=1_000_000, help="tokens to index")
@@ -176,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     rng = random.Random(args.seed)
-    tok, tok_name = load_tokenizer(args.tokenizer, args.vocab)
+    tok, tok_name = load_tokenizer(args.tokenizer)
     files = stdlib_files()
     shuffled = files[:]
     random.Random(args.seed).shuffle(shuffled)

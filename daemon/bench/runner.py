@@ -26,11 +26,14 @@ bandwidth is measured by the same script as the best of two large fp32
 matrix-vector products (128 MiB of weights, ``W @ x`` and ``x @ W^T`` layouts).
 For T > 1 the floor is still the bytes floor; verification can be compute-bound.
 
-The model: ``--model PATH`` (an HF checkpoint folder), else the embedded model
-folder when it has a config.json, else a random-initialised 4-layer, 384-wide
-Llama (vocab 8192, 6 heads, 2 kv heads, intermediate 1024). Contexts beyond the
-model's ``max_position_embeddings`` are fine: both runners get a larger
-``max_length`` (HF through a config copy); default RoPE extrapolates.
+The model: ``--model`` (what ``codespec serve --model`` takes: an HF checkpoint
+folder, a name in the local HF cache or a ``.gguf`` file), else the default model
+(SmolLM2-135M-Instruct, fetched once, see ``codespec.daemon.models``), else, when
+that cannot be had (offline, nothing cached) or with ``--random``, a
+random-initialised 4-layer, 384-wide Llama (vocab 8192, 6 heads, 2 kv heads,
+intermediate 1024). Contexts beyond the model's ``max_position_embeddings`` are
+fine: both runners get a larger ``max_length`` (HF through a config copy);
+default RoPE extrapolates.
 
 Prints a table and ends with one JSON line.
 """
@@ -41,20 +44,30 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import codespec.daemon
+from codespec.daemon import models
 from codespec.daemon.runner import HFRunner
 from codespec.daemon.runner_lean import LeanRunner, kv_bytes, param_bytes
 
 
-def _default_model_dir() -> Path | None:
-    embedded = Path(codespec.daemon.__file__).parent / "embedded"
-    return embedded if (embedded / "config.json").exists() else None
+def _model_dir(model: str | None, random_weights: bool) -> Path | None:
+    """The folder to benchmark: ``--model`` resolved, else the default model; None for the
+    random Llama (asked for, or the default cannot be had)."""
+    if random_weights:
+        return None
+    try:
+        return models.resolve(model)
+    except models.ModelError as exc:
+        if model is not None:
+            raise SystemExit(f"codespec bench runner: error: {exc}") from None
+        print(f"no default model ({exc}); timing a random Llama instead", file=sys.stderr)
+        return None
 
 
 def _random_llama(max_length: int, seed: int) -> torch.nn.Module:
@@ -128,7 +141,8 @@ def _timed(runner: Any, ids: list[int], back_to: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="codespec bench runner", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", type=Path, default=None, help="HF checkpoint folder")
+    ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--random", action="store_true", help="time a random 4x384 Llama instead")
     ap.add_argument("--contexts", default="256,1300,4000", help="cached tokens, comma-separated")
     ap.add_argument("--tokens", default="1,8,16,32,64", help="tokens per forward")
     ap.add_argument("--reps", type=int, default=15, help="timed forwards per cell and runner")
@@ -141,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     sizes = [int(t) for t in args.tokens.split(",")]
     max_length = max(contexts) + max(sizes)
-    model_dir = args.model if args.model is not None else _default_model_dir()
+    model_dir = _model_dir(args.model, args.random)
     lean, hf, desc = build_runners(model_dir, max_length, args.compile, args.seed)
     named: list[tuple[str, Any]] = [("lean", lean), ("hf", hf)]
     if lean.kernels:  # the same runner on torch's products, side by side
