@@ -209,3 +209,16 @@ class RuntimeCache(Generic[R]):
         if key not in cache:
             cache[key] = load()
         return cache[key]
+
+
+class MissingWeights(LookupError):
+    """A model proposer (EAGLE, Medusa, draft model) has no weights for this model: nothing
+    at ``where``, the folder beside the model it reads them from. A ``LookupError``, so the
+    daemon answers ``bad_params`` and ``auto`` leaves the proposer out.
+
+    Message: ``no <kind> weights for this model (<where>: not found; <how>)``.
+    """
+
+    def __init__(self, kind: str, where: str | Path, how: str) -> None:
+        self.kind, self.where = kind, Path(where)
+        super().__init__(f"no {kind} weights for this model ({where}: not found; {how})")

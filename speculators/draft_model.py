@@ -73,13 +73,20 @@ from typing import Any
 
 import torch
 
-from codespec.speculators.draft import Draft, RequestInfo, RuntimeCache, StepResult
+from codespec.speculators.draft import (
+    Draft,
+    MissingWeights,
+    RequestInfo,
+    RuntimeCache,
+    StepResult,
+)
 from codespec.speculators.eagle import AcceptanceStats, StepCost
 
 __all__ = [
     "DraftModelProposer",
     "DraftRuntime",
     "NoDraftModel",
+    "NoDraftWeights",
     "draft_dir",
     "load_runtime",
     "make",
@@ -99,11 +106,15 @@ def draft_dir(model_path: str | Path) -> Path:
     return Path(model_path) / "draft"
 
 
+class NoDraftWeights(NoDraftModel, MissingWeights):
+    """Nothing at ``MODEL/draft``: no draft model was made for this model."""
+
+
 def train_hint(target: str | Path, where: Path) -> str:
     return (
-        f"train one with the target's tokenizer: `codespec train-model --out runs/draft "
-        f"--tokenizer {target} --num-layers 2 --hidden-size 128 --intermediate-size 384 "
-        f"--num-heads 2 --num-kv-heads 1 --export {where}`"
+        f"put a small Hugging Face causal LM trained with the tokenizer of {target} there "
+        f"(config.json, model.safetensors and {target}'s tokenizer files); "
+        "codespec has no trainer for draft models yet"
     )
 
 
@@ -191,11 +202,7 @@ def _load_runtime(engine: Any, where: Path) -> DraftRuntime:
     """Check the draft model in ``where`` against the target (its tokenizer) and load it."""
     target = Path(engine.model_path)
     if not (where / "config.json").exists():
-        raise NoDraftModel(
-            f"no draft model for the model in {target}: expected a Hugging Face causal LM "
-            f"folder (config.json + model.safetensors + tokenizer) at {where}; "
-            + train_hint(target, where)
-        )
+        raise NoDraftWeights("draft", where, train_hint(target, where))
     if not (where / "tokenizer.json").exists() and not (where / "tokenizer_config.json").exists():
         raise NoDraftModel(
             f"the draft model in {where} has no tokenizer files, so it cannot be checked "

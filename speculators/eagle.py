@@ -54,7 +54,13 @@ from typing import Any
 
 import torch
 
-from codespec.speculators.draft import Draft, RequestInfo, RuntimeCache, StepResult
+from codespec.speculators.draft import (
+    Draft,
+    MissingWeights,
+    RequestInfo,
+    RuntimeCache,
+    StepResult,
+)
 from codespec.speculators.eagle_head import HeadRunner, load_head
 
 __all__ = [
@@ -62,6 +68,7 @@ __all__ = [
     "EagleProposer",
     "EagleRuntime",
     "NoEagleHead",
+    "NoEagleWeights",
     "StepCost",
     "grow_draft",
     "head_dir",
@@ -74,6 +81,10 @@ MAX_BACKOFF = 32  # the most plain steps in a row before probing with a draft ag
 
 class NoEagleHead(LookupError):
     """The model has no EAGLE head beside it (or the head does not fit the model)."""
+
+
+class NoEagleWeights(NoEagleHead, MissingWeights):
+    """Nothing at ``MODEL/eagle``: no head was trained for this model."""
 
 
 def head_dir(model_path: str | Path) -> Path:
@@ -207,10 +218,10 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> EagleRuntime:
 def _load_runtime(engine: Any, where: Path) -> EagleRuntime:
     """Check the head in ``where`` against the engine's model and load it."""
     if not (where / "config.json").exists():
-        raise NoEagleHead(
-            f"no EAGLE head for the model in {engine.model_path}: expected a speculators "
-            f"EAGLE-3 folder (config.json + model.safetensors) at {where}; train one with "
-            f"`codespec train-eagle --model {engine.model_path} --out {where}`"
+        raise NoEagleWeights(
+            "eagle",
+            where,
+            f"train them with `codespec train-eagle --model {engine.model_path} --out {where}`",
         )
     runner = engine.runner
     try:

@@ -67,7 +67,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codespec.speculators.draft import Draft, RequestInfo, RuntimeCache, StepResult
+from codespec.speculators.draft import (
+    Draft,
+    MissingWeights,
+    RequestInfo,
+    RuntimeCache,
+    StepResult,
+)
 from codespec.speculators.eagle import AcceptanceStats, StepCost
 from codespec.speculators.eagle_head import DraftVocab
 
@@ -77,6 +83,7 @@ __all__ = [
     "MedusaProposer",
     "MedusaRuntime",
     "NoMedusaHeads",
+    "NoMedusaWeights",
     "build_tree",
     "heads_dir",
     "load_heads",
@@ -94,6 +101,10 @@ MAX_BACKOFF = 32  # the most plain steps in a row before probing with a draft ag
 
 class NoMedusaHeads(LookupError):
     """The model has no Medusa heads beside it (or they do not fit the model)."""
+
+
+class NoMedusaWeights(NoMedusaHeads, MissingWeights):
+    """Nothing at ``MODEL/medusa``: no heads were trained for this model."""
 
 
 def heads_dir(model_path: str | Path) -> Path:
@@ -323,10 +334,10 @@ def load_runtime(engine: Any, path: str | Path | None = None) -> MedusaRuntime:
 def _load_runtime(engine: Any, where: Path) -> MedusaRuntime:
     """Check the heads in ``where`` against the engine's model and load them."""
     if not (where / CONFIG).exists():
-        raise NoMedusaHeads(
-            f"no Medusa heads for the model in {engine.model_path}: expected a folder with "
-            f"config.json + model.safetensors at {where}; train them with "
-            f"`codespec train-medusa --model {engine.model_path} --out {where}`"
+        raise NoMedusaWeights(
+            "medusa",
+            where,
+            f"train them with `codespec train-medusa --model {engine.model_path} --out {where}`",
         )
     try:
         heads = load_heads(where)

@@ -24,7 +24,8 @@ Each step:
    takes the step instead (a short match's draft is often worth less than what
    a draft model makes of the step).
 2. Otherwise each model proposer the engine's model has (EAGLE when a head is
-   loaded, Medusa heads, a draft model, and lookahead, which needs nothing) is
+   loaded, Medusa heads, a draft model, and lookahead, which needs nothing; one
+   without weights for the model is left out, and ``stats`` says so) is
    valued at its realised tokens per ms over the steps it was in charge (mean
    tokens over mean ms: its own time, the verify forward and the rest of the
    step). The best one takes the step if it beats a plain step by
@@ -66,7 +67,14 @@ from typing import Any
 from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 
-__all__ = ["AutoProposer", "PolicyStore", "make", "summary", "temperature_class"]
+__all__ = [
+    "AutoProposer",
+    "PolicyStore",
+    "make",
+    "summary",
+    "temperature_class",
+    "weights_summary",
+]
 
 MODELS = ("eagle", "medusa", "draft", "lookahead")  # tried in this order when unmeasured
 TEMPERATURE_PRIOR = 0.75  # a sampled class's first estimate: greedy's, times this
@@ -149,6 +157,7 @@ class PolicyStore:
         self.docs: OrderedDict[tuple[str, str], Book] = OrderedDict()
         self.engine_wide: dict[str, Book] = {}
         self.available: dict[str, bool] = {}  # model proposer name -> can be built
+        self.why: dict[str, str] = {}  # model proposer name -> why it cannot be built
         self.steps = 0  # steps the policy has taken on this engine
         # a model proposer far behind after a trial is not built (nor kept in step, which
         # costs time every step) until this step, then tried once more; the pause doubles
@@ -190,13 +199,39 @@ class PolicyStore:
 _STORES: weakref.WeakKeyDictionary[Any, PolicyStore] = weakref.WeakKeyDictionary()
 
 
+def weights_summary(engine: Any, store: PolicyStore | None = None) -> dict[str, str]:
+    """Per model proposer, whether it has what it needs for ``engine``'s model, in words:
+    ``weights in PATH``, ``no weights for this model``, ``needs no weights`` (lookahead),
+    or ``not usable: WHY`` when loading them failed (they do not fit the model)."""
+    from codespec.speculators.registry import weights
+
+    if engine is None or not hasattr(engine, "model_path"):
+        return {}
+    found = weights(engine)
+    out = {}
+    for name in MODELS:
+        if name not in found:
+            out[name] = "needs no weights"
+        elif found[name] is None:
+            out[name] = "no weights for this model"
+        elif store is not None and store.available.get(name) is False:
+            out[name] = f"not usable: {store.why.get(name, 'it failed to load')}"
+        else:
+            out[name] = f"weights in {found[name]}"
+    return out
+
+
 def summary(engine: Any) -> dict[str, Any]:
     """What the policy has measured on ``engine`` (engine-wide), for ``stats``: forward ms by
-    size, and per temperature class the plain step's ms, each model proposer's tokens per ms
+    size, per model proposer whether it has weights for the model (:func:`weights_summary`),
+    and per temperature class the plain step's ms, each model proposer's tokens per ms
     against plain decoding's, the n-gram accepted share per match bucket, and the retired."""
     store = _STORES.get(engine)
     costs = getattr(engine, "costs", None)
-    out: dict[str, Any] = {"forward_ms": costs.as_dict() if costs is not None else {}}
+    out: dict[str, Any] = {
+        "forward_ms": costs.as_dict() if costs is not None else {},
+        "weights": weights_summary(engine, store),
+    }
     if store is None:
         return out
     classes: dict[str, Any] = {}
@@ -546,6 +581,7 @@ def make(
         try:
             models[name] = factory(engine, index)
             store.available[name] = True
-        except (LookupError, ValueError, ImportError):  # no head / heads / draft model here
+        except (LookupError, ValueError, ImportError) as exc:  # no weights for this model
             store.available[name] = False
+            store.why[name] = str(exc)
     return AutoProposer(engine, ngram, models, store)
