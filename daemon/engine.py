@@ -1,7 +1,8 @@
 """The decoding engine: model + tokenizer + KV cache + the speculative decode loop.
 
-Owns: loading a local checkpoint (the embedded model by default, any local
-Hugging Face causal LM or a name already in the local HF cache, offline),
+Owns: loading a local checkpoint (the folder ``models.resolve`` gives: the default
+model, a ``.gguf`` import, any local Hugging Face causal LM or a name already in the
+local HF cache, offline),
 choosing the device and the runner, prefix reuse across requests, sampling,
 stop rules, incremental detokenization and per-request statistics.
 
