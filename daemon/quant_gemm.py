@@ -208,7 +208,9 @@ def _as_bytes(raw: Any) -> np.ndarray:
 @dataclass(frozen=True)
 class QuantMatrix:
     """An (n, k) weight matrix (n outputs, k inputs) in GGUF blocks of ``qtype``, held as
-    16-row panels of the same bytes (``panels``: uint8, ``ceil(n / 16) * 16`` rows' worth)."""
+    16-row panels of the same bytes (``panels``: uint8, ``ceil(n / 16) * 16`` rows' worth),
+    four panels interleaved group of four k by group (the layout is described in
+    ``csrc/qgemm.cpp``)."""
 
     qtype: str
     n: int
