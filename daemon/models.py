@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,12 +117,13 @@ class CachedModel:
 
 
 def models_root(state_dir: str | os.PathLike | None = None) -> Path:
-    """``$CODESPEC_MODELS``, else ``<state_dir>/models`` (default state dir: ~/.cache/codespec)."""
+    """``<state_dir>/models`` when given, else ``$CODESPEC_MODELS``, else the default
+    state dir's ``models`` (``~/.cache/codespec/models``)."""
+    if state_dir:
+        return Path(state_dir).expanduser() / "models"
     env = os.environ.get("CODESPEC_MODELS")
     if env:
         return Path(env).expanduser()
-    if state_dir:
-        return Path(state_dir).expanduser() / "models"
     from codespec.daemon.config import default_state_dir
 
     return default_state_dir() / "models"
@@ -424,11 +425,29 @@ def _convert(root: Path, gguf: Path, name: str, sha: str, source: str, keep_gguf
         shutil.rmtree(partial, ignore_errors=True)
 
 
+def _source_types(gguf: Path, config: Any, keys: Iterable[str]) -> dict[str, str]:
+    """HF tensor name -> the GGUF tensor type it was stored as (by the ``gguf``
+    library's own name map, the one transformers loads the file with)."""
+    import gguf as gg
+
+    arch = next(k for k, v in gg.MODEL_ARCH_NAMES.items() if v == config.model_type)
+    names = gg.get_tensor_name_map(arch, int(config.num_hidden_layers))
+    types = {t.name: t.tensor_type.name for t in gg.GGUFReader(str(gguf)).tensors}
+    out = {}
+    for key in keys:
+        base, _, suffix = key.rpartition(".")
+        g = names.get_name(base)
+        if g is not None and f"{g}.{suffix}" in types:
+            out[key] = types[f"{g}.{suffix}"]
+    return out
+
+
 def _write_checkpoint(gguf: Path, out: Path) -> None:
     """The GGUF as a Hugging Face folder: transformers reads the config and builds the
     tokenizer from the GGUF's metadata and maps its tensor names; the ``gguf`` library
-    dequantizes the blocks. Matrices are saved as fp16 when it holds them (closest to
-    the quantized values at half fp32's size), vectors (norms, biases) as fp32."""
+    dequantizes the blocks. Tensors stored as F32 or BF16 keep their type; quantized
+    and F16 matrices are saved as fp16 when it holds them (the 16-bit type closest to
+    the dequantized values, half fp32's size), else fp32."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -440,10 +459,14 @@ def _write_checkpoint(gguf: Path, out: Path) -> None:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
+    kinds = _source_types(gguf, config, tensors["tensors"])
     state: dict[str, torch.Tensor] = {}
     for key, value in tensors["tensors"].items():
         t = torch.as_tensor(value).float().contiguous()
-        if t.dim() >= 2 and t.abs().max().item() <= FP16_MAX:
+        kind = kinds.get(key, "F32")
+        if kind == "BF16":
+            t = t.bfloat16()
+        elif kind != "F32" and t.dim() >= 2 and t.abs().max().item() <= FP16_MAX:
             t = t.half()
         state[key] = t
     expected = set(skeleton.state_dict())
@@ -453,7 +476,10 @@ def _write_checkpoint(gguf: Path, out: Path) -> None:
     missing = sorted(expected - set(state))
     if missing:
         raise ModelError(f"{gguf.name} lacks tensors the model needs: {', '.join(missing[:3])}")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    try:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    except Exception as exc:  # safetensors reports a failed write as its own error type
+        raise OSError(_one_line(exc)) from exc
     config.save_pretrained(str(out))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
     tok.save_pretrained(str(out))

@@ -1,0 +1,123 @@
+"""Token healing and the text read-back rules (stop lines, loops, the healed prefix).
+
+Scenarios on SmolLM2's tokenizer (through the tiny ``engine``, which carries it):
+``"...):\\n"`` ends with a lone ``"\\n"`` that the model never saw before indentation;
+healing backs it off and lets the first token be ``"\\n       "``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codespec.daemon.engine import GenParams, TextTracker
+from codespec.daemon.healing import Healing, TokenTexts, constraint, heal_prompt
+from codespec.speculators.registry import make_proposer
+
+
+@pytest.fixture(scope="module")
+def texts(engine) -> TokenTexts:
+    return TokenTexts.of(engine.tokenizer, engine.runner.vocab_size)
+
+
+def ids_of(engine, text: str) -> list[int]:
+    return engine.encode(text)
+
+
+def test_token_texts_keep_leading_spaces_and_skip_specials(engine, texts):
+    [space_if] = ids_of(engine, " if")
+    assert texts.text[space_if] == " if"
+    eos = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert texts.text[eos] is None
+    assert space_if in texts.by_first[" "]
+
+
+def test_heal_prompt_backs_off_the_last_token(engine):
+    ids = ids_of(engine, "import re\n\nfrom ")
+    healed, text = heal_prompt(engine, ids)
+    assert healed == ids[:-1] and text == " "
+    one = ids_of(engine, "x")
+    assert heal_prompt(engine, one) == (one, "")  # nothing would be left
+
+
+def test_the_constraint_allows_regrowing_splits_then_frees(engine, texts):
+    """REST = "\\n": allowed are "\\n" itself and tokens starting with it ("\\n       ");
+    after one of them the constraint is gone. REST = "\\n        " (8 spaces): the
+    model's own split "\\n       " + " " is allowed, one step at a time."""
+    nl = Healing(texts, "\n")
+    mask = nl([])
+    [lone] = ids_of(engine, "\n")
+    indent = ids_of(engine, "):\n        if")[1]  # "\n       " (7 spaces)
+    assert texts.text[indent] == "\n       "
+    assert mask[lone] and mask[indent]
+    [x] = ids_of(engine, "x")
+    assert not mask[x]
+    assert nl([indent]) is None and nl([lone]) is None
+    deep = Healing(texts, "\n        ")
+    assert deep([])[indent]  # a proper prefix of the rest
+    after = deep([indent])
+    [space_if] = ids_of(engine, " if")
+    assert after is not None and after[space_if] and not after[indent]
+    assert deep([indent, space_if]) is None
+
+
+def _generate(engine, ids, heal, speculation, max_tokens=12):
+    params = GenParams(max_tokens=max_tokens, constraint=constraint(engine, heal), heal=heal)
+    engine.reset_cache()
+    proposer = make_proposer(speculation, engine)
+    out = []
+    text = ""
+    for delta in engine.stream(ids, params, proposer):
+        out += delta.token_ids
+        text += delta.text
+    return out, text
+
+
+@pytest.mark.parametrize("speculation", ["ngram", "auto"])
+def test_healed_decoding_is_lossless(engine, speculation):
+    """With the constraint on its first steps, every method gives plain decoding's ids,
+    and the text starts after the backed-off piece (which the raw output begins with)."""
+    prompt = "def f(x):\n    return x\n\ndef g(y):\n    return y\n\ndef h(z):\n"
+    ids, heal = heal_prompt(engine, ids_of(engine, prompt * 2))
+    assert heal == "\n"
+    plain, text = _generate(engine, ids, heal, "off")
+    got, got_text = _generate(engine, ids, heal, speculation)
+    assert got == plain and got_text == text
+    full = engine.decode(plain)
+    assert full.startswith(heal) and full[len(heal) :].startswith(text)
+
+
+def test_the_first_token_is_forced_even_when_the_model_prefers_another(engine, texts):
+    """The tiny random model's argmax after the prompt is (almost surely) not a token
+    that starts with the healed text; healing must still produce one."""
+    ids, heal = heal_prompt(engine, ids_of(engine, "for i in range(10):\n    print(i)\nfrom "))
+    out, _ = _generate(engine, ids, heal, "off", max_tokens=3)
+    assert (texts.text[out[0]] or "").startswith(" ")
+
+
+def test_text_tracker_skips_the_healed_text_and_stops_at_the_next_line():
+    decode = "".join
+    t = TextTracker(lambda ids: decode(chr(i) for i in ids), [], skip="\n", stop_lines=["b = 2"])
+    typed = [ord(c) for c in "\n    a = 1\n    b = 2\n    c = 3\n"]
+    text, hit = t.update(typed, final=False)
+    assert hit and t.text == "    a = 1" and text == "    a = 1"
+    assert not t.looped
+
+
+def test_text_tracker_cuts_loops():
+    t = TextTracker(lambda ids: "".join(chr(i) for i in ids), [], cut_loops=True)
+    looping = "x = 1\nprint(x)\nprint(x)\nprint(x)\nprint(x)\n"
+    _, hit = t.update([ord(c) for c in looping], final=False)
+    assert hit and t.looped and t.text == "x = 1\nprint(x)\nprint(x)"
+    t = TextTracker(lambda ids: "".join(chr(i) for i in ids), [], cut_loops=True)
+    _, hit = t.update([ord(c) for c in "a = 1\nself.strict_strict_strict_strict_strict\n"], False)
+    assert hit and t.text == "a = 1"
+    t = TextTracker(lambda ids: "".join(chr(i) for i in ids), [], cut_loops=False)
+    _, hit = t.update([ord(c) for c in looping], final=False)
+    assert not hit
+
+
+def test_the_constraint_mask_is_boolean_over_the_vocabulary(engine, texts):
+    mask = Healing(texts, " ")([])
+    assert mask.dtype == torch.bool and mask.shape == (engine.runner.vocab_size,)
+    assert 0 < int(mask.sum()) < mask.numel()
