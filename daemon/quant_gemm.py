@@ -31,6 +31,7 @@ OpenMP threads (the library is loaded after torch and shares its ``libgomp``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import subprocess
@@ -153,6 +154,7 @@ def _required() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
 def isa_supported(name: str) -> bool:
     """Whether this CPU runs the kernel's ``name`` path (a key of :data:`ISAS`)."""
     return bool(_required().cs_q_isa_ok(ISAS[name]))
@@ -163,9 +165,8 @@ def available_isas() -> list[str]:
     return [name for name in ISAS if isa_supported(name)]
 
 
-def default_isa() -> str:
-    """``$CODESPEC_QGEMM_ISA`` when set (it must name a path this CPU runs), else the best."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
+@functools.cache
+def _resolve_isa(forced: str) -> str:
     if not forced:
         return available_isas()[-1]
     if forced not in ISAS:
@@ -173,6 +174,12 @@ def default_isa() -> str:
     if not isa_supported(forced):
         raise RuntimeError(f"{ISA_ENV}={forced}: this CPU cannot run that path")
     return forced
+
+
+def default_isa() -> str:
+    """``$CODESPEC_QGEMM_ISA`` when set (it must name a path this CPU runs), else the best.
+    Read on every call (tests switch it), resolved once per value."""
+    return _resolve_isa(os.environ.get(ISA_ENV, "").strip().lower())
 
 
 def _qtype_name(qtype: Any) -> str:
@@ -300,6 +307,16 @@ def _check(
     return x, bias, res
 
 
+def _output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    """``out`` (an (m, n) fp32 tensor with unit column stride, reused by the caller to save
+    an allocation), else a new one."""
+    if out is None:
+        return torch.empty((m, n), dtype=torch.float32)
+    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be ({m}, {n}) fp32 with unit column stride")
+    return out
+
+
 def _threads(m: int, qm: QuantMatrix, threads: int | None) -> int:
     if threads is None:
         big = m >= THREADED_ROWS or qm.n * qm.k >= THREADED_WEIGHTS
@@ -314,17 +331,19 @@ def linear(
     res: torch.Tensor | None = None,
     threads: int | None = None,
     isa: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias) (+ res)``: x ``(M, k)`` fp32, result ``(M, n)`` fp32.
 
     Each output is the sum over k in order (one FMA per step, weights widened exactly),
     then ``+ bias``, then ``+ res``; so row i of the result does not depend on the other
-    rows, on ``threads`` or on ``isa`` (default :func:`default_isa`).
+    rows, on ``threads`` or on ``isa`` (default :func:`default_isa`). ``out``: an (M, n)
+    fp32 tensor to write into instead of a new one.
     """
     lib = _required()
     x, bias, res = _check(x, qm, bias, res)
     m = x.shape[0]
-    y = torch.empty((m, qm.n), dtype=torch.float32)  # (M, N)
+    y = _output(out, m, qm.n)  # (M, N)
     if m == 0:
         return y
     rc = lib.cs_qgemm(
@@ -336,7 +355,7 @@ def linear(
         qm.panels.data_ptr(),
         qm.n,
         y.data_ptr(),
-        qm.n,
+        y.stride(0),
         None if bias is None else bias.data_ptr(),
         None if res is None else res.data_ptr(),
         0 if res is None else res.stride(0),
@@ -351,6 +370,7 @@ def linear(
 _I8_CODES = {"scalar": 0, "avx2": 1, "avx512-vnni": _VNNI}
 
 
+@functools.cache
 def i8_isa() -> str | None:
     """The path :func:`linear_i8` takes by default: ``avx512-vnni``, ``avx2`` or ``None``
     (no integer dot products worth using; ``scalar`` remains, for tests)."""
@@ -372,6 +392,7 @@ def linear_i8(
     res: torch.Tensor | None = None,
     threads: int | None = None,
     isa: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`linear` the llama.cpp way: NOT exact. Each row of x is rounded to int8 per 32
     inputs (step max|x| / 127) and multiplied with the blocks' integer quants by integer dot
@@ -386,7 +407,7 @@ def linear_i8(
     if chosen not in _I8_CODES:
         raise ValueError(f"linear_i8: isa must be one of {', '.join(_I8_CODES)}, got {chosen}")
     m = x.shape[0]
-    y = torch.empty((m, qm.n), dtype=torch.float32)  # (M, N)
+    y = _output(out, m, qm.n)  # (M, N)
     if m == 0:
         return y
     rc = lib.cs_qgemm_i8(
@@ -398,7 +419,7 @@ def linear_i8(
         qm.panels.data_ptr(),
         qm.n,
         y.data_ptr(),
-        qm.n,
+        y.stride(0),
         None if bias is None else bias.data_ptr(),
         None if res is None else res.data_ptr(),
         0 if res is None else res.stride(0),

@@ -325,3 +325,35 @@ def test_i8_rows_equal_one_row_products_bit_for_bit(qtype: str) -> None:
             for m in (1, 2, 3, 8, 9, 16):
                 y = quant_gemm.linear_i8(x[:m], qm, threads=threads, isa=isa)
                 assert torch.equal(y, one[:m]), f"{qtype} i8 {isa} threads={threads} M={m}"
+
+
+@needs_kernel
+def test_bench_kernels_runs_and_ends_with_json(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from codespec.daemon.bench import kernels
+
+    argv = ["--shapes", "o", "--rows", "1,2", "--reps", "3", "--calls", "1", "--cold-mb", "0"]
+    assert kernels.main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    methods = {r["method"] for r in summary["results"]}
+    assert {"gguf-Q4_1", "fp32", "torch-int8", "torch-int4"} <= methods
+    exact = [r for r in summary["results"] if r["method"] == "gguf-Q4_1"]
+    assert [r["m"] for r in exact] == [1, 2] and all(r["ms"] > 0 for r in exact)
+    assert exact[0]["rel_err"] < 1e-5
+
+
+@needs_kernel
+def test_out_buffer_is_written_in_place() -> None:
+    n, k = 32, 64
+    qm = QuantMatrix.from_bytes(random_gguf("Q8_0", n, k, seed=1), "Q8_0", n, k)
+    x = torch.randn(3, k)
+    big = torch.full((3, n + 5), 7.0)
+    out = big[:, :n]  # (3, N), row stride N + 5
+    y = quant_gemm.linear(x, qm, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert torch.equal(big[:, :n], quant_gemm.linear(x, qm))
+    assert torch.equal(big[:, n:], torch.full((3, 5), 7.0))
+    with pytest.raises(ValueError, match="out must be"):
+        quant_gemm.linear(x, qm, out=torch.empty(3, n + 1))

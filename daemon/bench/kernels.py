@@ -18,8 +18,9 @@ product with the GGUF weights) and one final JSON line.
 Weights are random (speed does not depend on values). By default each method cycles
 through enough copies of each matrix (``--cold-mb`` of them) that its weights come from
 memory, not cache, as they do in a decode step that streams the whole model. Methods are
-interleaved within each repetition and the median of ``--reps`` is reported; each
-repetition times ``--calls`` consecutive products, so Python call overhead is included.
+interleaved within each repetition and the median of ``--reps`` is reported (fewer, at
+least 3, for a method slower than ``--budget-s`` allows); each repetition times ``--calls``
+consecutive products, so Python call overhead (a few microseconds) is included.
 
 Must not touch: models, the engine, the daemon's state.
 """
@@ -168,18 +169,25 @@ def relative_errors(methods: list[Method], w: torch.Tensor, seed: int) -> dict[s
 
 
 def time_methods(
-    methods: list[Method], m: int, k: int, reps: int, calls: int, seed: int
+    methods: list[Method], m: int, k: int, reps: int, calls: int, seed: int, budget_s: float
 ) -> dict[str, float]:
-    """Median seconds per product of each method, interleaved repetitions."""
+    """Median seconds per product of each method, interleaved repetitions. A method whose
+    products are slow gets fewer repetitions (at least 3): about ``budget_s`` seconds."""
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))  # (M, K)
     samples: dict[str, list[float]] = {meth.name: [] for meth in methods}
     cursor = dict.fromkeys(samples, 0)
+    wanted: dict[str, int] = {}
     for meth in methods:  # warm-up: code paths, thread pool, page faults
+        t0 = time.perf_counter()
         for c in meth.copies[: 2 * calls]:
             meth.call(x, c)
+        per_rep = (time.perf_counter() - t0) / min(2 * calls, len(meth.copies)) * calls
+        wanted[meth.name] = min(reps, max(3, int(budget_s / max(per_rep, 1e-9))))
     for rep in range(reps):
         order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
         for meth in order:
+            if len(samples[meth.name]) >= wanted[meth.name]:
+                continue
             i = cursor[meth.name]
             cs = [meth.copies[(i + j) % len(meth.copies)] for j in range(calls)]
             cursor[meth.name] = (i + calls) % len(meth.copies)
@@ -197,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="shapes to run")
     ap.add_argument("--reps", type=int, default=41, help="interleaved repetitions (median)")
     ap.add_argument("--calls", type=int, default=8, help="products timed per repetition")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=3.0,
+        help="seconds of repetitions per method and row count at most (slow ones get fewer)",
+    )
     ap.add_argument(
         "--cold-mb",
         type=float,
@@ -226,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         methods, w = methods_for(k, n, qtype, args.threads, args.cold_mb, rng)
         errs = relative_errors(methods, w, args.seed)
-        secs = {m: time_methods(methods, m, k, args.reps, args.calls, args.seed) for m in rows}
+        secs = {
+            m: time_methods(methods, m, k, args.reps, args.calls, args.seed, args.budget_s)
+            for m in rows
+        }
         print(f"\n{name}: {k} -> {n} ({qtype} weights {methods[0].nbytes / 1e6:.2f} MB)")
         head = "".join(f"{'M=' + str(m):>16}" for m in rows)
         print(f"{'method':<16}{'MB':>7}{'rel err':>9}{'GB/s M=1':>10}{head}")
