@@ -1,9 +1,16 @@
-"""Shared fixtures: the embedded engine (loaded once), tiny random models, held-out prompts."""
+"""Shared fixtures: the default model (fetched once per machine), a tiny random engine with its
+tokenizer, the real engine, a tiny engine with FIM tokens, tiny random models, held-out prompts.
+
+The rule (issue 14): the suite shares one copy of the real default model; engine, index and
+protocol tests run on tiny random models for speed (``engine``), and the tests that need a
+model that copies or writes sensible code use ``real_engine``.
+"""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -19,6 +26,17 @@ os.environ.setdefault(
 )
 torch.set_num_threads(int(os.environ.get("CODESPEC_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
+
+def _pin_models_root() -> None:
+    """Every process the tests start (daemons, language servers, editors) finds the default
+    model where this one does, whatever XDG_CACHE_HOME a test gives it."""
+    from codespec.daemon import models
+
+    os.environ["CODESPEC_MODELS"] = str(models.models_root())
+
+
+_pin_models_root()
+
 HELDOUT = Path(sysconfig.get_paths()["stdlib"]) / "test"
 
 
@@ -31,18 +49,153 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def engine():
-    from codespec.daemon.engine import Engine
-
-    return Engine(runner=os.environ.get("CODESPEC_TEST_RUNNER", "auto"))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
 @pytest.fixture(scope="session")
-def hf_engine():
+def default_model_dir() -> Path:
+    """The real default model's folder (SmolLM2-135M-Instruct), fetched once if absent."""
+    from codespec.daemon import models
+
+    return models.default_model()
+
+
+def copy_tokenizer(source: Path, folder: Path) -> Path:
+    """The tokenizer files of ``source`` (the default model's: its specials, its chat
+    template) into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copyfile(source / name, folder / name)
+    return folder
+
+
+def tiny_model_dir(
+    folder: Path,
+    tokenizer_from: Path,
+    seed: int = 0,
+    logit_scale: float = 20.0,
+    dtype: torch.dtype = torch.float16,
+    **kw,
+) -> Path:
+    """A tiny random Llama (2 layers x 64, the default model's vocabulary of 49,152) with the
+    default model's tokenizer files: prompts, special tokens and the chat template behave as
+    with the real model, a forward costs almost nothing.
+
+    Its final norm is scaled by ``logit_scale``: the logits of a random model are nearly
+    flat, a trained model's are peaked. Greedy output does not change (the argmax is the
+    same), but heads trained on its distributions can learn which token wins. Saved in
+    fp16 (``dtype``) as the default model is, so the lean runner holds 16-bit panels."""
+    kw.setdefault("vocab", 49152)
+    kw.setdefault("hidden_size", 64)
+    kw.setdefault("intermediate_size", 128)
+    kw.setdefault("max_position_embeddings", 2048)
+    kw.setdefault("bos_token_id", 1)
+    kw.setdefault("eos_token_id", 2)
+    model = tiny_llama(seed=seed, **kw)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(logit_scale)
+    model.to(dtype).save_pretrained(folder)
+    return copy_tokenizer(tokenizer_from, folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(default_model_dir, tmp_path_factory) -> Path:
+    """The folder of the ``engine`` fixture's model (seeded, the same on every run)."""
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny_model"), default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model):
+    """An engine over the tiny random Llama with the default model's tokenizer."""
     from codespec.daemon.engine import Engine
 
-    return Engine(runner="hf")
+    return Engine(tiny_model, runner=os.environ.get("CODESPEC_TEST_RUNNER", "auto"))
+
+
+@pytest.fixture(scope="session")
+def hf_engine(tiny_model):
+    from codespec.daemon.engine import Engine
+
+    return Engine(tiny_model, runner="hf")
+
+
+SPEC_PROMPTS = {"count": 8, "tokens": 120, "seed": 11, "max_tokens": 24}
+
+
+@pytest.fixture(scope="session")
+def spec_engine(engine, tiny_model, tmp_path_factory):
+    """The ``engine`` fixture's model with weights for every model proposer beside it, made
+    here: ``eagle/`` and ``medusa/`` trained for a few steps on the first
+    ``SPEC_PROMPTS["count"]`` held-out prompts (``heldout_prompts(engine, n, tokens=120,
+    seed=11)``) and their 24-token greedy continuations, so drafts on those prompts really
+    get accepted; ``draft/`` the model itself with a little noise on its weights (mostly
+    accepted, with partial accepts)."""
+    from codespec.daemon.engine import Engine, GenParams
+    from helpers import draft_model_for, eagle_head_for, medusa_heads_for
+
+    folder = tmp_path_factory.mktemp("spec_model")
+    for f in tiny_model.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, folder / f.name)
+    sp = SPEC_PROMPTS
+    prompts = heldout_prompts(engine, sp["count"], tokens=sp["tokens"], seed=sp["seed"])
+    params = GenParams(max_tokens=sp["max_tokens"])
+    seqs = []
+    for p in prompts:
+        engine.reset_cache()
+        seqs.append(p + [t for d in engine.stream(p, params) for t in d.token_ids])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: a second thread only waits on a busy machine
+    try:
+        eagle_head_for(folder, folder / "eagle", train_on=seqs, steps=120)
+        medusa_heads_for(folder, folder / "medusa", train_on=seqs, steps=120)
+        draft_model_for(folder, folder / "draft", noise=0.05)
+    finally:
+        torch.set_num_threads(before)
+    return Engine(folder, runner=os.environ.get("CODESPEC_TEST_RUNNER", "auto"))
+
+
+@pytest.fixture(scope="session")
+def real_engine(default_model_dir):
+    """The real default model (``Engine()``), for tests that need sensible code or copying."""
+    from codespec.daemon.engine import Engine
+
+    e = Engine(runner=os.environ.get("CODESPEC_TEST_RUNNER", "auto"))
+    assert e.model_path == str(default_model_dir)
+    return e
+
+
+def add_fim_tokens(folder: Path) -> None:
+    """Give the tokenizer in ``folder`` FIM special tokens (Qwen2.5-Coder's names) after its
+    vocabulary, and no chat template: a stand-in for the FIM models users bring."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": list(FIM_TOKENS)})
+    tok.chat_template = None
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok.save_pretrained(str(folder))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def fim_engine(default_model_dir, tmp_path_factory):
+    """A tiny random Llama whose tokenizer has FIM tokens (the default model's plus
+    <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) and no chat template: the FIM paths."""
+    from codespec.daemon.engine import Engine
+
+    folder = copy_tokenizer(default_model_dir, tmp_path_factory.mktemp("fim_model"))
+    add_fim_tokens(folder)
+    tiny_llama(
+        vocab=49152 + len(FIM_TOKENS),
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        seed=3,
+    ).save_pretrained(folder)
+    return Engine(folder, device="cpu")
 
 
 def heldout_prompts(engine, count: int, tokens: int = 160, seed: int = 7) -> list[list[int]]:

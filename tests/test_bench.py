@@ -1,13 +1,24 @@
-"""The methods benchmark runs our engine and the HF peers side by side and reports equality."""
+"""The methods benchmark runs our engine and the HF peers side by side and reports equality.
+
+The benchmarks run on the tiny model (``--model``): their mechanics are under test here,
+not the default model's speed.
+"""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from codespec.daemon.bench import dispatch
 
 
-def test_methods_bench_prints_table_and_json(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def model(tiny_model) -> list[str]:
+    return ["--model", str(tiny_model)]
+
+
+def test_methods_bench_prints_table_and_json(tmp_path, capsys, model):
     wl = tmp_path / "w.jsonl"
     lines = [
         {
@@ -19,7 +30,7 @@ def test_methods_bench_prints_table_and_json(tmp_path, capsys):
         {"id": "b", "prompt": "import os\nimport sys\n", "max_tokens": 8, "kind": "novel"},
     ]
     wl.write_text("\n".join(json.dumps(x) for x in lines))
-    assert dispatch([str(wl), "--methods", "off,hf,hf-pld"]) == 0
+    assert dispatch([str(wl), "--methods", "off,hf,hf-pld", *model]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     rows = {(r["workload"], r["method"]): r for r in result["rows"]}
@@ -31,13 +42,13 @@ def test_methods_bench_prints_table_and_json(tmp_path, capsys):
     assert ("completion", "hf") in rows and ("novel", "off") in rows
 
 
-def test_methods_bench_takes_several_workloads_and_a_temperature(tmp_path, capsys):
+def test_methods_bench_takes_several_workloads_and_a_temperature(tmp_path, capsys, model):
     paths = []
     for kind, prompt in (("completion", "def add(a, b):\n"), ("novel", "import os\n")):
         path = tmp_path / f"{kind}.jsonl"
         path.write_text(json.dumps({"id": kind, "prompt": prompt, "max_tokens": 6, "kind": kind}))
         paths.append(str(path))
-    args = [*paths, "--methods", "off,auto,hf", "--temperature", "0.8", "--seed", "5"]
+    args = [*paths, "--methods", "off,auto,hf", "--temperature", "0.8", "--seed", "5", *model]
     assert dispatch(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["temperature"] == 0.8
@@ -48,7 +59,7 @@ def test_methods_bench_takes_several_workloads_and_a_temperature(tmp_path, capsy
     assert kinds == {"all", "completion", "novel"}
 
 
-def test_each_workload_keeps_its_own_index(tmp_path, capsys, monkeypatch):
+def test_each_workload_keeps_its_own_index(tmp_path, capsys, monkeypatch, model):
     """A workload's open documents feed only its own prompts: combining workloads in one
     run must not hand the novel prompts another workload's index."""
     from codespec.daemon.bench import methods
@@ -68,7 +79,7 @@ def test_each_workload_keeps_its_own_index(tmp_path, capsys, monkeypatch):
         return real(engine, method, prompt, max_tokens, index, uri, *rest)
 
     monkeypatch.setattr(methods, "run_engine", spy)
-    assert dispatch([*paths, "--methods", "off,ngram"]) == 0
+    assert dispatch([*paths, "--methods", "off,ngram", *model]) == 0
     capsys.readouterr()
     assert seen["import os\n"] is not None and "file:///pkg/a.py" in seen["import os\n"]
     assert seen["x = 1\n"] is None
@@ -85,7 +96,7 @@ def test_a_timed_decode_does_not_inherit_lookahead_pools(engine):
     assert runs[0].forwards == runs[1].forwards
 
 
-def test_lookahead_grid_decodes_each_prompt_with_empty_pools(tmp_path, capsys):
+def test_lookahead_grid_decodes_each_prompt_with_empty_pools(tmp_path, capsys, model):
     """The same prompt twice, without a uri, costs twice one decode's forwards: the
     second decode must not draft from a pool the first one filled with its output."""
     item = {"id": "p", "prompt": "class Stack:\n    def __init__(self):\n", "max_tokens": 40}
@@ -93,7 +104,7 @@ def test_lookahead_grid_decodes_each_prompt_with_empty_pools(tmp_path, capsys):
     def forwards(copies: int) -> int:
         wl = tmp_path / f"w{copies}.jsonl"
         wl.write_text("\n".join(json.dumps(item) for _ in range(copies)))
-        assert dispatch(["lookahead", str(wl), "--grid", "2,4,2"]) == 0
+        assert dispatch(["lookahead", str(wl), "--grid", "2,4,2", *model]) == 0
         rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
         (row,) = [r for r in rows if r["config"] == "2,4,2"]
         assert row["equal_to_off"] == copies

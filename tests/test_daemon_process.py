@@ -12,7 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from codespec.daemon.client import Client
+
+# `serve` loads the default model: fetched (once) before a daemon starts; the daemons find it
+# through CODESPEC_MODELS (conftest), whatever XDG_CACHE_HOME they get
+pytestmark = pytest.mark.usefixtures("default_model_dir")
 
 
 def env_for(tmp: Path) -> dict[str, str]:
@@ -85,7 +91,8 @@ def test_serve_lifecycle(tmp_path):
             status = cli(env, "status", "--json", timeout=60)
             assert status.returncode == 0, status.stderr
             s = json.loads(status.stdout)
-            assert s["model"] == "embedded" and s["documents"] == 1
+            assert s["model"] == "SmolLM2-135M-Instruct" and s["documents"] == 1
+            assert s["policy"]["weights"]["eagle"] == "no weights for this model"
             assert s["requests"]["served"] >= 1
 
             proc.send_signal(signal.SIGTERM)

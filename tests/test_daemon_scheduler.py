@@ -1,5 +1,6 @@
 """The scheduler: cancellation within one step, fair preemption, back-off under load,
-the typing simulation and disconnects, all on the real embedded engine."""
+the typing simulation and disconnects, all on the tiny engine (the default model's tokenizer,
+random weights)."""
 
 from __future__ import annotations
 
@@ -196,25 +197,24 @@ def test_cancel_over_the_socket(daemon):
     wait_idle(daemon.server.scheduler, timeout=2.0)
 
 
-def test_eagle_without_a_head_is_bad_params(tmp_path):
-    """Asking for "eagle" on a model with no head beside it fails the request, not the daemon."""
-    import shutil
-
-    from codespec.daemon.engine import EMBEDDED_MODEL, Engine
+@pytest.mark.parametrize("name", ["eagle", "medusa", "draft"])
+def test_a_model_proposer_without_weights_is_bad_params(engine, name):
+    """Asking for a model proposer the model has no weights for (the tiny engine's model has
+    none beside it) fails the request with bad_params saying so, not the daemon; "auto"
+    leaves it out and decodes."""
     from codespec.daemon.protocol import ProtocolError
 
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(EMBEDDED_MODEL / name, tmp_path / name)
-    bare = Engine(tmp_path)
-    s = Scheduler(bare, None, Speculation(), 8)
+    s = Scheduler(engine, None, Speculation(), 8)
     s.start()
     try:
-        ids = bare.encode(PROMPT)
+        ids = engine.encode(PROMPT)
         with pytest.raises(ProtocolError) as err:
-            s.submit(Job(ids, GenParams(max_tokens=4), "eagle")).result(60)
+            s.submit(Job(ids, GenParams(max_tokens=4), name)).result(60)
         assert err.value.code == "bad_params"
-        assert "head" in err.value.message.lower() or "eagle" in err.value.message.lower()
-        ok = s.submit(Job(ids, GenParams(max_tokens=4), "off")).result(60)
-        assert ok.stats["tokens"] >= 1
+        assert err.value.message.startswith(f"no {name} weights for this model (")
+        assert f"{engine.model_path}/{name}" in err.value.message
+        for spec in ("off", "auto"):
+            ok = s.submit(Job(ids, GenParams(max_tokens=4), spec)).result(60)
+            assert ok.stats["tokens"] >= 1
     finally:
         s.stop()

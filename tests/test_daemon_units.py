@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import threading
 import time
 
@@ -14,11 +13,10 @@ from codespec.daemon import completion
 from codespec.daemon.client import Client
 from codespec.daemon.config import ConfigError, load_config
 from codespec.daemon.documents import DocumentStore
-from codespec.daemon.engine import EMBEDDED_MODEL
 from codespec.daemon.protocol import ProtocolError
 from codespec.daemon.workspace import IgnoreRules, Workspace
 from codespec.ngram_index.positions import TextDocument, apply_changes
-from conftest import ServerThread, daemon_config, tiny_llama
+from conftest import ServerThread, daemon_config, tiny_model_dir
 
 
 def test_config_file_and_errors(tmp_path, monkeypatch):
@@ -156,14 +154,14 @@ def test_workspace_method_feeds_the_index(daemon, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def chat_engine(tmp_path_factory):
-    """A tiny random Llama with the embedded tokenizer and a chat template."""
+def chat_engine(default_model_dir, tmp_path_factory):
+    """A tiny random Llama with the default tokenizer and a chat template of our own (easy
+    to read in the prompt) in place of SmolLM2's."""
     from codespec.daemon.engine import Engine
 
-    folder = tmp_path_factory.mktemp("chat_model")
-    tiny_llama(vocab=8192, layers=2, max_position_embeddings=1024).save_pretrained(folder)
-    shutil.copy(EMBEDDED_MODEL / "tokenizer.json", folder)
-    cfg = json.loads((EMBEDDED_MODEL / "tokenizer_config.json").read_text())
+    folder = tiny_model_dir(tmp_path_factory.mktemp("chat_model"), default_model_dir)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg["chat_template"] = (
         "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}### assistant\n{% endif %}"
@@ -197,7 +195,9 @@ def test_edit_uses_the_chat_template(chat_engine, tmp_path):
         srv.stop()
 
 
-def test_fim_edit_prompt_carries_the_old_region_before_the_middle(engine):
+def test_fim_edit_prompt_carries_the_old_region_before_the_middle(fim_engine):
+    """A model with FIM tokens and no chat template (as Qwen / StarCoder base models)."""
+    engine = fim_engine
     text = "import os\n\n\ndef f(x):\n    return x + 1\n\n\ndef g():\n    pass\n"
     start, end = text.index("def f"), text.index("\n\n\ndef g") + 1
     ep = completion.edit_prompt(engine, text, start, end, text[start:end], "", "python", 32)
@@ -217,18 +217,19 @@ def test_complete_prompt_start_is_stable_while_typing(engine):
     offset = len(text) // 2
     for k in range(20):  # typing 20 characters at the same spot
         typed = text[:offset] + "x" * k + text[offset:]
-        ids = completion.complete_prompt(engine, typed, offset + k, 16)
+        ids = completion.complete_prompt(engine, typed, offset + k, 16).prompt_ids
         assert len(ids) <= engine.max_length - 16 - 1
         starts.add(tuple(ids[:50]))
     assert len(starts) <= 2  # the window start moves at most once in 20 keystrokes
 
 
-def test_complete_prompt_respects_the_context_budget(engine):
+def test_complete_prompt_respects_the_context_budget(fim_engine):
     """limits.context_tokens caps the prompt; the text right before the cursor is kept."""
+    engine = fim_engine
     text = "".join(f"value_{i} = compute({i}, 'abc')\n" for i in range(400))
     offset = len(text) // 2
-    full = completion.complete_prompt(engine, text, offset, 16)
-    capped = completion.complete_prompt(engine, text, offset, 16, context_tokens=512)
+    full = completion.complete_prompt(engine, text, offset, 16).prompt_ids
+    capped = completion.complete_prompt(engine, text, offset, 16, context_tokens=512).prompt_ids
     assert len(full) > 1024 >= 512 >= len(capped)
     fim = engine.fim
     before_suffix = capped[: capped.index(fim.suffix)]

@@ -10,42 +10,35 @@ from pathlib import Path
 import pytest
 import torch
 
-from codespec.daemon.engine import EMBEDDED_MODEL, GenParams, load_runner
+from codespec.daemon.engine import GenParams, load_runner
 from codespec.speculators.draft import Draft, StepResult
 from codespec.speculators.draft_model import (
     DraftModelProposer,
     NoDraftModel,
+    NoDraftWeights,
     common_prefix,
     draft_dir,
     load_runtime,
     make,
 )
 from codespec.speculators.registry import make_proposer
-from conftest import heldout_prompts, tiny_llama
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def with_tokenizer(folder: Path, source: Path = EMBEDDED_MODEL) -> Path:
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(source / name, folder / name)
-    return folder
+from conftest import TOKENIZER_FILES, heldout_prompts, tiny_llama, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
-def tiny_draft(tmp_path_factory) -> Path:
-    """A randomly initialised 2-layer Llama with the embedded tokenizer (drafts badly, fast)."""
+def tiny_draft(engine, tmp_path_factory) -> Path:
+    """Another randomly initialised 2-layer Llama with the target's tokenizer (drafts badly,
+    fast)."""
     folder = tmp_path_factory.mktemp("tiny_draft")
-    tiny_llama(vocab=8192, layers=2, max_position_embeddings=2048).save_pretrained(folder)
-    return with_tokenizer(folder)
+    return tiny_model_dir(folder, Path(engine.model_path), seed=7, hidden_size=32)
 
 
 @pytest.fixture(scope="module")
-def target_as_draft(tmp_path_factory) -> Path:
+def target_as_draft(spec_engine, tmp_path_factory) -> Path:
     """The target itself as its own draft model: every greedy draft is fully accepted."""
     folder = tmp_path_factory.mktemp("self_draft")
     for name in ("config.json", "model.safetensors", *TOKENIZER_FILES):
-        shutil.copyfile(EMBEDDED_MODEL / name, folder / name)
+        shutil.copyfile(Path(spec_engine.model_path) / name, folder / name)
     return folder
 
 
@@ -94,18 +87,20 @@ def test_common_prefix():
 
 
 def test_missing_draft_model_is_a_clear_lookup_error(tmp_path: Path):
-    """No MODEL/draft: a LookupError (the scheduler's bad_params) that says how to train one."""
+    """No MODEL/draft: a LookupError (the scheduler's bad_params) that says where it looked
+    and what to put there."""
 
     class Fake:  # an engine whose model folder has no draft/ (weakly referenceable)
         model_path = str(tmp_path)
 
     fake = Fake()
-    with pytest.raises(NoDraftModel) as err:
+    with pytest.raises(NoDraftWeights) as err:
         make(fake, None)
-    assert isinstance(err.value, LookupError)
+    assert isinstance(err.value, NoDraftModel) and isinstance(err.value, LookupError)
     msg = str(err.value)
+    assert msg.startswith("no draft weights for this model (")
     assert str(draft_dir(tmp_path)) in msg
-    assert "codespec train-model" in msg and f"--tokenizer {tmp_path}" in msg
+    assert f"with the tokenizer of {tmp_path}" in msg
     with pytest.raises(LookupError):
         make_proposer("draft", fake)
     with pytest.raises(NoDraftModel, match="needs an engine"):
@@ -114,7 +109,7 @@ def test_missing_draft_model_is_a_clear_lookup_error(tmp_path: Path):
 
 def test_another_tokenizer_is_refused(engine, tmp_path: Path):
     """A draft model whose tokenizer differs from the target's is refused, with the counts."""
-    from codespec.daemon.train_model import train_tokenizer, write_tokenizer_files
+    from codespec.daemon.train_data import train_tokenizer, write_tokenizer_files
 
     texts = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
     write_tokenizer_files(train_tokenizer(texts, 300), tmp_path)
@@ -138,9 +133,11 @@ def test_tiny_random_draft_greedy_equals_plain(engine, tiny_draft: Path, one_thr
     assert drafted > 0
 
 
-def test_shipped_draft_greedy_equals_plain(engine, one_thread):
-    """The shipped draft model (MODEL/draft), adaptive and fixed length: outputs equal plain
-    greedy decoding, and it gets tokens accepted."""
+def test_model_draft_greedy_equals_plain(spec_engine, one_thread):
+    """The draft model beside the model (MODEL/draft: the target with noise on its weights),
+    adaptive and fixed length: outputs equal plain greedy decoding, and it gets tokens
+    accepted."""
+    engine = spec_engine
     assert (draft_dir(engine.model_path) / "config.json").exists()
     accepted = 0
     for i, prompt in enumerate(heldout_prompts(engine, 6, tokens=160, seed=5)):
@@ -154,13 +151,15 @@ def test_shipped_draft_greedy_equals_plain(engine, one_thread):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("which", ["shipped", "target", "window"])
-def test_draft_cache_equals_a_fresh_prefill(engine, target_as_draft: Path, which, one_thread):
-    """After partial accepts (shipped draft) and full accepts with the catch-up (the target
-    as its own draft), the draft model's next-token logits at every step equal those of a
-    fresh prefill of the same tokens, and the cache holds only accepted tokens. ``window``:
-    the shipped draft reading only the last 48 tokens (a window start past 0)."""
-    path = draft_dir(engine.model_path) if which == "shipped" else target_as_draft
+@pytest.mark.parametrize("which", ["beside", "target", "window"])
+def test_draft_cache_equals_a_fresh_prefill(spec_engine, target_as_draft: Path, which, one_thread):
+    """After partial accepts (the noisy draft beside the model) and full accepts with the
+    catch-up (the target as its own draft), the draft model's next-token logits at every
+    step equal those of a fresh prefill of the same tokens, and the cache holds only
+    accepted tokens. ``window``: the noisy draft reading only the last 48 tokens (a window
+    start past 0)."""
+    engine = spec_engine
+    path = draft_dir(engine.model_path) if which != "target" else target_as_draft
     rt = load_runtime(engine, path)
     fresh, _ = load_runner(str(path), engine.device, "auto", engine.max_length)
     # fp32 on the CPU: chunked prefill and one-token decode agree to rounding; bf16 (CUDA) less
@@ -197,8 +196,9 @@ def test_adaptive_backs_off_when_drafts_fail(engine, tiny_draft: Path, one_threa
     assert 0 < len(proposer.history) < stats.decode_steps
 
 
-def test_temperature_runs_finish_and_pass_q(engine, one_thread):
+def test_temperature_runs_finish_and_pass_q(spec_engine, one_thread):
     """At temperature > 0 drafts are sampled and carry q; seeded runs repeat exactly."""
+    engine = spec_engine
     prompt = heldout_prompts(engine, 1, tokens=120, seed=8)[0]
     seen: list[Draft] = []
 
@@ -221,21 +221,3 @@ def test_temperature_runs_finish_and_pass_q(engine, one_thread):
         for tok, q in zip(d.tokens, d.probs, strict=True):
             assert q is not None and q.shape == (engine.runner.vocab_size,)
             assert float(q[tok]) > 0 and abs(float(q.sum()) - 1) < 1e-4
-
-
-def test_train_model_reuses_the_target_tokenizer(engine, tmp_path: Path, one_thread):
-    """`train-model --tokenizer MODEL` copies MODEL's tokenizer files verbatim, so the export
-    is accepted as a draft model for MODEL; a --vocab-size that differs is refused."""
-    from codespec.daemon import train_model
-
-    tiny = ["--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1"]
-    tiny += ["--num-heads", "2", "--num-kv-heads", "1", "--seq-len", "32", "--batch-size", "1"]
-    tiny += ["--eval-windows", "1", "--steps", "1", "--tokenizer", str(EMBEDDED_MODEL)]
-    export = tmp_path / "export"
-    assert train_model.main(["--out", str(tmp_path / "run"), *tiny, "--export", str(export)]) == 0
-    for name in TOKENIZER_FILES:
-        assert (export / name).read_bytes() == (EMBEDDED_MODEL / name).read_bytes()
-    rt = load_runtime(engine, export)
-    assert rt.vocab == engine.runner.vocab_size
-    with pytest.raises(ValueError, match="--vocab-size 8192"):
-        train_model.main(["--out", str(tmp_path / "bad"), *tiny, "--vocab-size", "600"])

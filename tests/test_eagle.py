@@ -1,8 +1,9 @@
 """The EAGLE-3 head and proposer: shapes, files, the inference runner, drafts, cache, losslessness.
 
-Tiny random models on the CPU, except the losslessness test, which decodes
-held-out prompts with the embedded model (and its shipped head when there is
-one, else a random head: verification must keep the output either way).
+Tiny random models on the CPU. The losslessness tests decode held-out prompts on the
+tiny engine with the head beside ``spec_engine``'s model (trained for a few steps on
+those prompts, so its drafts are accepted) and with a random head (never accepted):
+verification must keep the output either way.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import random
 import pytest
 import torch
 
-from codespec.daemon.engine import EMBEDDED_MODEL, GenParams
+from codespec.daemon.engine import GenParams
 from codespec.daemon.runner_lean import LeanRunner
-from codespec.speculators.draft import StepResult
+from codespec.speculators.draft import MissingWeights, StepResult
 from codespec.speculators.eagle import (
     AcceptanceStats,
     EagleProposer,
     EagleRuntime,
     NoEagleHead,
+    NoEagleWeights,
     StepCost,
     grow_draft,
     head_dir,
@@ -35,7 +37,7 @@ from codespec.speculators.eagle_head import (
     save_head,
 )
 from codespec.speculators.registry import make_proposer
-from conftest import heldout_prompts, tiny_llama
+from conftest import SPEC_PROMPTS, heldout_prompts, tiny_llama
 
 VOCAB = 96
 TAPS = (1, 2, 3)
@@ -307,47 +309,76 @@ def test_backs_off_when_drafts_do_not_pay(target):
 
 
 def test_no_head_is_a_clear_error(tmp_path):
+    """No MODEL/eagle: "no eagle weights for this model", where it looked, how to train."""
+
     class FakeEngine:
         model_path = str(tmp_path)
         runner = None
 
-    with pytest.raises(NoEagleHead, match="train-eagle"):
+    with pytest.raises(NoEagleWeights, match="train-eagle") as err:
         make_proposer("eagle", FakeEngine())
+    assert isinstance(err.value, (NoEagleHead, MissingWeights, LookupError))
+    assert str(err.value).startswith("no eagle weights for this model (")
+    assert str(head_dir(tmp_path)) in str(err.value)
     with pytest.raises(NoEagleHead, match="needs an engine"):
         make_proposer("eagle", None)
 
 
+def test_the_default_tiny_model_has_no_head(engine):
+    """The tiny engine's model has nothing beside it: a clear LookupError, not a crash."""
+    with pytest.raises(MissingWeights, match="no eagle weights for this model"):
+        make_proposer("eagle", engine)
+
+
 @pytest.fixture(scope="module")
-def eagle_runtime(engine, tmp_path_factory):
-    """The shipped head when there is one; else a random head in a temporary folder."""
-    shipped = head_dir(EMBEDDED_MODEL)
-    if (shipped / "config.json").exists():
-        return load_runtime(engine), True
+def eagle_runtime(spec_engine):
+    """The head beside ``spec_engine``'s model, trained for a few steps on the
+    ``SPEC_PROMPTS`` prompts (the tiny engine's own continuations of them)."""
+    return load_runtime(spec_engine)
+
+
+@pytest.fixture(scope="module")
+def random_runtime(spec_engine, tmp_path_factory):
+    """A random head for the same model, in a temporary folder."""
     where = tmp_path_factory.mktemp("head")
-    cfg = EagleConfig.for_target(engine.config, draft_vocab_size=1024)
+    cfg = EagleConfig.for_target(spec_engine.config, draft_vocab_size=1024)
     torch.manual_seed(0)
-    head = EagleHead(cfg, engine.runner.embed.float())
-    head.init_lm_head_from(engine.runner.embed.float())
+    head = EagleHead(cfg, spec_engine.runner.embed.float())
+    head.init_lm_head_from(spec_engine.runner.embed.float())
     save_head(head, where)
-    return load_runtime(engine, where), False
+    return load_runtime(spec_engine, where)
 
 
 @pytest.mark.parametrize(("topk", "adaptive"), [(1, True), (3, False)])
-def test_greedy_output_equals_plain_decoding(engine, eagle_runtime, topk, adaptive):
-    """Held-out prompts decoded with EAGLE drafts (chain and tree) give plain greedy output."""
-    runtime, shipped = eagle_runtime
-    params = GenParams(max_tokens=24, max_draft=8)
+def test_greedy_output_equals_plain_decoding(spec_engine, eagle_runtime, topk, adaptive):
+    """Held-out prompts decoded with EAGLE drafts (chain and tree) give plain greedy output,
+    and the trained head's drafts get accepted."""
+    engine = spec_engine
+    params = GenParams(max_tokens=SPEC_PROMPTS["max_tokens"], max_draft=8)
     accepted = 0
-    for prompt in heldout_prompts(engine, 6, tokens=120, seed=11):
+    prompts = heldout_prompts(engine, 6, tokens=SPEC_PROMPTS["tokens"], seed=SPEC_PROMPTS["seed"])
+    for prompt in prompts:
         engine.reset_cache()
         plain, _ = engine.generate(prompt, params)
-        prop = EagleProposer(runtime, depth=4, topk=topk, max_nodes=8, adaptive=adaptive)
+        prop = EagleProposer(eagle_runtime, depth=4, topk=topk, max_nodes=8, adaptive=adaptive)
         text, stats = engine.generate(prompt, params, prop)
         assert text == plain
         assert prop.history, "the proposer never drafted"
         accepted += sum(stats.accepted.values())
-    if shipped:
-        assert accepted > 0, "the shipped head never had a draft token accepted"
+    assert accepted > 0, "the trained head never had a draft token accepted"
+    assert load_runtime(spec_engine) is eagle_runtime  # loaded once per engine
+
+
+def test_random_head_keeps_greedy_output(spec_engine, random_runtime):
+    """A random head's drafts are (nearly) all rejected: the output is still plain's."""
+    params = GenParams(max_tokens=16, max_draft=8)
+    for prompt in heldout_prompts(spec_engine, 3, tokens=100, seed=13):
+        spec_engine.reset_cache()
+        plain, _ = spec_engine.generate(prompt, params)
+        prop = EagleProposer(random_runtime, depth=4, topk=3, max_nodes=8, adaptive=False)
+        text, _ = spec_engine.generate(prompt, params, prop)
+        assert text == plain
+        assert len(prop.history) > 1
 
 
 def test_bench_acceptance_and_projection_arithmetic():

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from codespec.daemon import train_eagle
-from codespec.daemon.engine import EMBEDDED_MODEL
 from codespec.speculators.eagle_head import EagleConfig, EagleHead, load_head
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -56,12 +55,14 @@ def test_last_layer_tap_is_before_the_final_norm():
     assert torch.allclose(head, logits, atol=1e-5)
 
 
-def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys):
-    model_dir = tmp_path / "model"
-    model = tiny_llama(vocab=8192, layers=2, seed=0, max_position_embeddings=256)
-    model.save_pretrained(model_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(EMBEDDED_MODEL / name, model_dir / name)
+def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys, default_model_dir):
+    """A tiny model with the default model's tokenizer (no FIM tokens: plain windows)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir(
+        tmp_path / "model", default_model_dir, hidden_size=32, max_position_embeddings=256
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     data = tmp_path / "data"
     data.mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -110,3 +111,51 @@ def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys):
 def test_bad_data_folder_is_an_error(tmp_path, capsys):
     assert train_eagle.main(["--data", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 1
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_sample_builder_rows_for_fim_and_plain_tokenizers():
+    """With codespec's FIM tokens the rows mix prefix-suffix-middle samples (in that order)
+    and left-to-right text; without them, plain windows. Rows are seq_len + 1 tokens and
+    depend only on (seed, step, index), so a resumed run sees the same samples."""
+    from codespec.daemon import train_data
+
+    texts = train_data.read_texts(sorted(train_data.stdlib_root().glob("[b-c]*.py"))[:6])
+    tok = train_data.train_tokenizer(texts, 600)
+    cfg = train_eagle.EagleTrainConfig(seq_len=4096, seed=3, fim_rate=0.5)
+    builder = train_eagle.sample_builder(tok, texts, cfg)
+    assert isinstance(builder, train_data.SampleBuilder)
+    ids = {s: tok.token_to_id(s) for s in train_data.SPECIAL_TOKENS}
+    assert [ids[s] for s in train_data.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    rows = [builder.row(step, i) for step in range(3) for i in range(2)]
+    assert all(len(r) == 4097 for r in rows)
+    assert rows[0] == builder.row(0, 0) and rows[0] != rows[1]
+    fim = 0
+    for r in rows:
+        for k, t in enumerate(r):
+            if t == ids[train_data.FIM_PREFIX]:
+                rest = r[k:]
+                if ids[train_data.EOT] in rest:  # a whole sample inside the row
+                    end = rest.index(ids[train_data.EOT])
+                    sample = rest[:end]
+                    assert sample.count(ids[train_data.FIM_SUFFIX]) == 1
+                    assert sample.count(ids[train_data.FIM_MIDDLE]) == 1
+                    assert sample.index(ids[train_data.FIM_SUFFIX]) < sample.index(
+                        ids[train_data.FIM_MIDDLE]
+                    )
+                    fim += 1
+    assert fim > 0
+    plain = train_eagle.sample_builder(_without_fim(tok), texts, cfg)
+    assert isinstance(plain, train_eagle.WindowBuilder) and len(plain.row(0, 0)) == 4097
+
+
+def _without_fim(tok):
+    """The same BPE as a tokenizer that does not know the FIM tokens' names."""
+
+    class NoFim:
+        def token_to_id(self, s):
+            return None if "fim" in s else tok.token_to_id(s)
+
+        def encode(self, text):
+            return tok.encode(text)
+
+    return NoFim()

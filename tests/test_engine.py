@@ -93,10 +93,28 @@ def test_missing_model_is_a_load_error(tmp_path):
         Engine(tmp_path / "empty")
 
 
-def test_fim_tokens_and_stop_ids(engine):
-    assert engine.fim is not None
-    eot = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    assert eot in engine.stop_ids
+def test_stop_ids_of_the_default_tokenizer(engine):
+    """SmolLM2's tokenizer: no FIM tokens; <|endoftext|>, <|im_end|> (its eos) and
+    <file_sep> end a completion, ordinary tokens do not."""
+    tok = engine.tokenizer
+    assert engine.fim is None
+    ids = {s: tok.convert_tokens_to_ids(s) for s in ("<|endoftext|>", "<|im_end|>", "<file_sep>")}
+    assert ids == {"<|endoftext|>": 0, "<|im_end|>": 2, "<file_sep>": 5}
+    assert tok.eos_token_id == 2
+    assert engine.stop_ids == set(ids.values())
+    assert not engine.stop_ids & set(engine.encode("def f(x):\n    return x\n"))
+
+
+def test_fim_tokens_and_stop_ids(fim_engine):
+    """A tokenizer with Qwen-style FIM tokens: found, and each of them stops a completion."""
+    tok = fim_engine.tokenizer
+    fim = fim_engine.fim
+    assert fim is not None
+    names = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+    assert (fim.prefix, fim.suffix, fim.middle) == tuple(tok.convert_tokens_to_ids(names))
+    assert min(fim.prefix, fim.suffix, fim.middle) >= 49152  # added after SmolLM2's vocabulary
+    assert {fim.prefix, fim.suffix, fim.middle, 0, 2} <= fim_engine.stop_ids
+    assert fim_engine.encode("<|fim_prefix|>x") == [fim.prefix, *fim_engine.encode("x")]
 
 
 class _TapRecorder:

@@ -1,16 +1,25 @@
 """Losslessness on held-out code: greedy output with any draft equals plain greedy decoding.
 
-50 prompts from the stdlib ``test/`` folder (which the embedded model never saw),
-each decoded plainly, then with random drafts, all-correct drafts, drafts
-correct for k tokens then wrong, and trees with several branches.
+On the tiny engine (``engine``; ``spec_engine`` for the model proposers, the same
+weights with EAGLE / Medusa / draft-model weights beside them): 50 prompts from the
+stdlib ``test/`` folder, each decoded plainly, then with random drafts, all-correct
+drafts, drafts correct for k tokens then wrong, trees with several branches, and
+with every proposer the registry builds. The first ``SPEC_PROMPTS["count"]`` prompts
+are the ones the tiny heads were trained on, so their drafts really get accepted.
+
+On the real default model (``real_engine``): 20 code prompts, 32 tokens each, decoded
+with every proposer that model has (off, ngram, lookahead, auto; eagle, medusa and
+draft only where their weights exist) give plain decoding's tokens.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from codespec.daemon.engine import GenParams
-from conftest import heldout_prompts
+from codespec.speculators.registry import make_proposer, weights
+from conftest import SPEC_PROMPTS, heldout_prompts
 from helpers import ScriptedProposer
 
 PROMPTS = 50
@@ -18,10 +27,10 @@ MAX_TOKENS = 16
 MODES = [("random", 0), ("correct", 0), ("k_then_wrong", 1), ("k_then_wrong", 3), ("tree", 0)]
 
 
-def decode_ids(engine, prompt, proposer=None, max_draft=8):
+def decode_ids(engine, prompt, proposer=None, max_draft=8, max_tokens=MAX_TOKENS):
     ids = []
     for delta in engine.stream(
-        prompt, GenParams(max_tokens=MAX_TOKENS, max_draft=max_draft), proposer
+        prompt, GenParams(max_tokens=max_tokens, max_draft=max_draft), proposer
     ):
         ids.extend(delta.token_ids)
     return ids
@@ -29,7 +38,9 @@ def decode_ids(engine, prompt, proposer=None, max_draft=8):
 
 @pytest.fixture(scope="module")
 def cases(engine):
-    prompts = heldout_prompts(engine, PROMPTS)
+    prompts = heldout_prompts(
+        engine, PROMPTS, tokens=SPEC_PROMPTS["tokens"], seed=SPEC_PROMPTS["seed"]
+    )
     return [(p, decode_ids(engine, p)) for p in prompts]
 
 
@@ -61,3 +72,80 @@ def test_ngram_proposer_with_index_equals_plain(engine, cases):
         assert decode_ids(engine, prompt, prop, max_draft=16) == plain, f"prompt {n}"
         drafted += prop.stats.drafted_tokens
     assert drafted > 0
+
+
+@pytest.mark.parametrize("name", ["lookahead", "eagle", "medusa", "draft", "auto"])
+def test_every_proposer_equals_plain(spec_engine, cases, name, one_thread):
+    """Each proposer as the daemon builds it (``make_proposer``), on the tiny model with
+    weights for every model proposer: plain decoding's tokens on all 50 prompts. EAGLE,
+    Medusa and the draft model draft every step (not adaptive) and get tokens accepted
+    (their weights were made for these prompts); lookahead and auto at least draft."""
+    drafted = accepted = 0
+    for n, (prompt, plain) in enumerate(cases):
+        spec_engine.reset_cache()
+        prop = make_proposer(name, spec_engine, None)
+        if hasattr(prop, "adaptive"):
+            prop.adaptive = False
+        got = []
+        stats = None
+        for delta in spec_engine.stream(prompt, GenParams(max_tokens=MAX_TOKENS), prop):
+            got.extend(delta.token_ids)
+            stats = delta.stats
+        assert got == plain, f"prompt {n}: {name} changed the output"
+        assert stats is not None
+        drafted += sum(stats.drafted.values())
+        accepted += sum(stats.accepted.values())
+    assert drafted > 0, f"{name} never drafted"
+    if name in ("eagle", "medusa", "draft"):
+        assert accepted > 0, f"no {name} draft token was ever accepted"
+
+
+# -- the real default model ------------------------------------------------------------
+
+REAL_PROMPTS = 20
+REAL_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def real_cases(real_engine):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as one_thread (function-scoped) does for the tests
+    try:
+        prompts = heldout_prompts(real_engine, REAL_PROMPTS, tokens=160, seed=5)
+        out = []
+        for p in prompts:
+            real_engine.reset_cache()
+            out.append((p, decode_ids(real_engine, p, max_tokens=REAL_TOKENS)))
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+@pytest.mark.parametrize("name", ["off", "ngram", "lookahead", "auto", "eagle", "medusa", "draft"])
+def test_real_model_every_proposer_equals_plain(real_engine, real_cases, name, one_thread):
+    """SmolLM2-135M on 20 held-out code prompts: greedy output with each proposer it has is
+    plain decoding's, token for token (``off``: with most of the prompt cached by an earlier
+    request).
+    The n-gram proposer's drafts from the context get accepted (a real model copies)."""
+    if name in ("eagle", "medusa", "draft") and weights(real_engine)[name] is None:
+        pytest.skip(f"no {name} weights for {real_engine.model_name}")
+    accepted = 0
+    for n, (prompt, plain) in enumerate(real_cases):
+        real_engine.reset_cache()
+        if name == "off":  # most of the prompt cached by an earlier request
+            decode_ids(real_engine, prompt[:-8], max_tokens=1)
+        prop = make_proposer(name, real_engine, None)
+        got = []
+        stats = None
+        for delta in real_engine.stream(
+            prompt, GenParams(max_tokens=REAL_TOKENS, max_draft=8), prop
+        ):
+            got.extend(delta.token_ids)
+            stats = delta.stats
+        assert got == plain, f"prompt {n}: {name} changed the output"
+        assert stats is not None
+        accepted += sum(stats.accepted.values())
+        if name == "off":
+            assert stats.cached_tokens >= len(prompt) - 8 and not stats.drafted
+    if name == "ngram":
+        assert accepted > 0, "the real model never repeated its context"

@@ -2,9 +2,10 @@
 
 The language server starts the daemon itself (``codespec serve --socket <tmp>``,
 detached) the way it does for an editor; the tests talk to it with a small
-JSON-RPC driver, as an editor would. The embedded model may be a placeholder,
-so the tests check the protocol and the invariants of the items, never the
-quality of the text.
+JSON-RPC driver, as an editor would. The daemon loads the real default model
+(SmolLM2-135M-Instruct, from the model cache the session fetched it into); the
+tests check the protocol and the invariants of the items, never the quality of
+the text.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def greet(name):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def env(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("lsp")
     (root / "ws").mkdir()
     (root / "ws" / "util.py").write_text("def helper(x):\n    return x * 2\n")
@@ -341,7 +342,8 @@ def test_inline_completion_items_for_several_cursor_positions(
             produced += len(items)
     assert produced > 0, "no position produced any item"
     st = status(lsp)
-    assert st["connected"] and st["daemon"]["capabilities"]["fim"] is True
+    assert st["connected"] and st["daemon"]["model"] == "SmolLM2-135M-Instruct"
+    assert st["daemon"]["capabilities"]["fim"] is False  # its tokenizer has no FIM tokens
 
 
 def test_accepting_an_item_is_counted(lsp: LspDriver, env: dict[str, Any]) -> None:

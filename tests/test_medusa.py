@@ -1,7 +1,8 @@
 """Medusa heads and proposer: files, the tree, the offsets, back-off, losslessness, training.
 
-Tiny random models and stub heads on the CPU, except the decoding tests, which
-use the embedded model (with its shipped heads where the test says so).
+Tiny random models and stub heads on the CPU; the decoding tests run on the tiny
+engine, with random heads and with the heads beside ``spec_engine``'s model (trained
+for a few steps on the prompts they decode, so their drafts are accepted).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from codespec.daemon import train_medusa
-from codespec.daemon.engine import EMBEDDED_MODEL, GenParams
+from codespec.daemon.engine import GenParams
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 from codespec.speculators.medusa import (
     HeadsRunner,
@@ -25,6 +26,7 @@ from codespec.speculators.medusa import (
     MedusaProposer,
     MedusaRuntime,
     NoMedusaHeads,
+    NoMedusaWeights,
     build_tree,
     heads_dir,
     load_heads,
@@ -32,11 +34,9 @@ from codespec.speculators.medusa import (
     save_heads,
 )
 from codespec.speculators.registry import make_proposer
-from conftest import heldout_prompts, tiny_llama
+from conftest import SPEC_PROMPTS, heldout_prompts, tiny_llama, tiny_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-SHIPPED = heads_dir(EMBEDDED_MODEL)
 
 
 def random_heads(hidden: int, vocab: int, draft_vocab: int, k: int = 3, seed: int = 0):
@@ -94,10 +94,11 @@ def test_missing_heads_is_a_clear_lookup_error(tmp_path):
         model_path = str(tmp_path)
         runner = None
 
-    with pytest.raises(NoMedusaHeads, match="train-medusa") as info:
+    with pytest.raises(NoMedusaWeights, match="train-medusa") as info:
         make_proposer("medusa", FakeEngine())
-    assert isinstance(info.value, LookupError)
-    assert str(tmp_path / "medusa") in str(info.value)
+    assert isinstance(info.value, NoMedusaHeads) and isinstance(info.value, LookupError)
+    assert str(info.value).startswith("no medusa weights for this model (")
+    assert str(heads_dir(tmp_path)) in str(info.value)
     with pytest.raises(NoMedusaHeads, match="needs an engine"):
         make_proposer("medusa", None)
 
@@ -290,7 +291,7 @@ def test_offsets_on_the_real_engine(engine):
     assert stats.target_forwards <= 12  # 30 plain; up to 4 tokens a step with the oracle
 
 
-# -- decoding with the embedded model ---------------------------------------------------
+# -- decoding on the tiny engine -------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -314,31 +315,28 @@ def test_random_heads_keep_greedy_output(engine, random_runtime):
         assert prop.history and prop.history[0][1] == 8  # later: the budget left
 
 
-needs_shipped = pytest.mark.skipif(
-    not (SHIPPED / "config.json").exists(), reason="no shipped Medusa heads"
-)
-
-
-@needs_shipped
 @pytest.mark.parametrize("adaptive", [True, False])
-def test_shipped_heads_greedy_output_equals_plain_decoding(engine, adaptive):
-    prop_factory = make_proposer  # through the registry, as the daemon does
-    params = GenParams(max_tokens=24, max_draft=12)
+def test_trained_heads_greedy_output_equals_plain_decoding(spec_engine, adaptive):
+    """The heads beside the model (MODEL/medusa), through the registry as the daemon builds
+    them: plain greedy output, and accepted drafts (adaptive and drafting every step)."""
+    engine = spec_engine
+    params = GenParams(max_tokens=SPEC_PROMPTS["max_tokens"], max_draft=12)
     accepted = 0
-    for prompt in heldout_prompts(engine, 5, tokens=120, seed=11):
+    prompts = heldout_prompts(engine, 5, tokens=SPEC_PROMPTS["tokens"], seed=SPEC_PROMPTS["seed"])
+    for prompt in prompts:
         engine.reset_cache()
         plain, _ = engine.generate(prompt, params)
-        prop = prop_factory("medusa", engine)
+        prop = make_proposer("medusa", engine)
         prop.adaptive = adaptive
         text, stats = engine.generate(prompt, params, prop)
         assert text == plain
         accepted += sum(stats.accepted.values())
     assert load_runtime(engine) is load_runtime(engine)  # loaded once per engine
-    assert accepted > 0, "the shipped heads never had a draft token accepted"
+    assert accepted > 0, "the trained heads never had a draft token accepted"
 
 
-@needs_shipped
-def test_temperature_runs_finish(engine):
+def test_temperature_runs_finish(spec_engine):
+    engine = spec_engine
     params = GenParams(max_tokens=20, max_draft=8, temperature=0.8, seed=3)
     drafted = 0
     for prompt in heldout_prompts(engine, 3, tokens=80, seed=17):
@@ -375,12 +373,10 @@ def test_loss_goes_down_on_one_batch():
     assert len(accs) == 3 and sum(accs) > sum(first_acc)
 
 
-def test_tiny_run_writes_a_loadable_folder_and_resumes(tmp_path, capsys):
-    model_dir = tmp_path / "model"
-    model = tiny_llama(vocab=8192, layers=2, seed=0, max_position_embeddings=256)
-    model.save_pretrained(model_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(EMBEDDED_MODEL / name, model_dir / name)
+def test_tiny_run_writes_a_loadable_folder_and_resumes(tmp_path, capsys, default_model_dir):
+    model_dir = tiny_model_dir(
+        tmp_path / "model", default_model_dir, hidden_size=32, max_position_embeddings=256
+    )
     data = tmp_path / "data"
     data.mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"])

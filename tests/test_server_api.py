@@ -28,10 +28,10 @@ def code_of(call) -> str:
     return err.value.code
 
 
-def test_hello_shape(client):
+def test_hello_shape(client, engine):
     r = client.request("hello", {"client": "test", "protocol": 1})
     assert r["protocol"] == 1 and r["server"].startswith("codespec")
-    assert r["model"] == "embedded" and r["device"] == "cpu"
+    assert r["model"] == engine.model_path and r["device"] == "cpu"  # a folder: its path
     caps = r["capabilities"]
     assert {"complete", "edit", "generate", "cancel", "workspace"} <= set(caps["methods"])
     assert caps["max_frame_bytes"] == 8 * 1024 * 1024
@@ -108,7 +108,7 @@ def test_stats_shape(client):
     assert {"in_flight", "served", "cancelled"} <= set(s["requests"])
     # the lean runner on this CPU multiplies through the cpu_gemm kernel, or says why not
     if s["runner"] == "lean" and s["device"] == "cpu" and cpu_gemm.library() is not None:
-        assert s["cpu_kernel"] == "cpu_gemm, fp16 weights"  # the embedded model is fp16
+        assert s["cpu_kernel"] == "cpu_gemm, fp16 weights"  # the tiny model is saved in fp16
     else:
         assert isinstance(s["cpu_kernel"], str) and s["cpu_kernel"]
 
@@ -121,8 +121,35 @@ def test_stats_report_what_the_policy_measured(client):
     assert pol["forward_ms"]["1"] > 0  # the cost table, calibrated and updated per forward
     greedy = pol["classes"]["greedy"]
     assert greedy["plain_step_ms"] is None or greedy["plain_step_ms"] > 0
-    assert set(greedy["vs_plain"]) <= {"eagle", "medusa", "draft", "lookahead"}
+    assert set(greedy["vs_plain"]) <= {"lookahead"}  # the only model proposer it has
     assert isinstance(pol["retired"], list) and pol["steps"] > 0
+    assert pol["weights"] == {
+        "eagle": "no weights for this model",
+        "medusa": "no weights for this model",
+        "draft": "no weights for this model",
+        "lookahead": "needs no weights",
+    }
+
+
+def test_stats_say_which_proposer_weights_the_model_has(spec_engine, tmp_path):
+    """Beside ``spec_engine``'s model: weights for every model proposer, and where."""
+    from pathlib import Path
+
+    from conftest import ServerThread
+
+    srv = ServerThread(daemon_config(tmp_path), spec_engine)
+    try:
+        with Client(srv.socket_path) as c:
+            w = c.request("stats")["policy"]["weights"]
+    finally:
+        srv.stop()
+    model = Path(spec_engine.model_path)
+    assert w == {
+        "eagle": f"weights in {model / 'eagle'}",
+        "medusa": f"weights in {model / 'medusa'}",
+        "draft": f"weights in {model / 'draft'}",
+        "lookahead": "needs no weights",
+    }
 
 
 def test_cancel_unknown_id(client):
@@ -206,7 +233,7 @@ def test_edit_returns_text_edits_that_turn_old_into_new(client):
         {"uri": uri, "range": rng, "max_tokens": 24, "stream": True, "instruction": "rename"},
         deltas.append,
     )
-    assert r["range"] == rng and r["mode"] == "fim"
+    assert r["range"] == rng and r["mode"] == "chat"  # SmolLM2's tokenizer has a chat template
     assert "".join(d["text"] for d in deltas) == r["text"]
     lines = SOURCE.splitlines(keepends=True)
     expected = "".join(lines[:8]) + r["text"] + "".join(lines[12:])
@@ -217,6 +244,26 @@ def test_edit_returns_text_edits_that_turn_old_into_new(client):
         "edit", {"uri": uri, "range": rng, "max_tokens": 2, "prediction": "def g():\n"}
     )
     assert same["range"] == rng
+
+
+def test_fim_edit_over_the_socket(fim_engine, tmp_path):
+    """A model with FIM tokens and no chat template edits in the FIM layout; its TextEdits
+    turn the old text into the new."""
+    from conftest import ServerThread
+
+    srv = ServerThread(daemon_config(tmp_path), fim_engine)
+    try:
+        with Client(srv.socket_path) as c:
+            assert c.request("hello")["capabilities"]["edit"] == "fim"
+            c.request("open", {"uri": "file:///fim.py", "text": SOURCE, "version": 1})
+            rng = {"start": {"line": 8, "character": 0}, "end": {"line": 12, "character": 0}}
+            r = c.request("edit", {"uri": "file:///fim.py", "range": rng, "max_tokens": 12})
+    finally:
+        srv.stop()
+    assert r["mode"] == "fim" and r["stats"]["tokens"] <= 12
+    lines = SOURCE.splitlines(keepends=True)
+    changes = [{"range": e["range"], "text": e["newText"]} for e in reversed(r["edits"])]
+    assert apply_changes(SOURCE, changes) == "".join(lines[:8]) + r["text"] + "".join(lines[12:])
 
 
 def test_edit_refers_to_the_text_it_started_from(client):

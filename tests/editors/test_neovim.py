@@ -1,9 +1,9 @@
-"""End to end in a real Neovim: the Lua plugin, `codespec lsp`, the daemon and the embedded model.
+"""End to end in a real Neovim: the Lua plugin, `codespec lsp`, the daemon and the default model.
 
 A headless ``nvim --listen`` is driven with pynvim (keys fed from outside, so
 insert mode and the inline-completion autocmds really run). The assertions are
 about what the editor does with what the server sent — never about the text the
-(placeholder) model writes: after accepting, the buffer must equal the text
+model writes: after accepting, the buffer must equal the text
 before plus exactly the item's text at the cursor.
 """
 
@@ -47,7 +47,7 @@ def wait_for(predicate: Any, timeout: float, what: str, tick: Any = None) -> Any
 
 
 @pytest.fixture
-def nvim(tmp_path: Path) -> Iterator[tuple[Any, Path, str]]:
+def nvim(tmp_path: Path, default_model_dir: Path) -> Iterator[tuple[Any, Path, str]]:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",

@@ -24,7 +24,9 @@ def npm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def installed():
+def installed(default_model_dir):
+    """node_modules, and the default model the daemon loads (fetched once, found through
+    CODESPEC_MODELS, which the node test's environment inherits)."""
     if not (EXT / "node_modules" / ".package-lock.json").exists():
         proc = npm("ci", "--no-audit", "--no-fund")
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
