@@ -1,15 +1,16 @@
 """Products with GGUF block-quantized weights on the CPU: the C++ code in ``csrc/qgemm.cpp``.
 
 Owns the weights of one matrix in GGUF's own blocks (:class:`QuantMatrix`: Q8_0, Q4_0,
-Q4_1, Q4_K, Q5_K, Q6_K, repacked once into 16-row panels of exactly the same bytes),
+Q4_1, Q4_K, Q5_K, Q6_K, repacked once into 16-row panels of exactly the same bytes, plus
+zero blocks for the rows that round ``n`` up to a multiple of 16),
 building and loading that kernel, and the product :func:`linear`
 (``y = x @ W^T (+ bias) (+ res)``, x fp32). It must not know anything about models or
 about how a GGUF file is laid out beyond one tensor's blocks: callers hand it a reader
 tensor or raw block bytes, and plain fp32 tensors.
 
-Exactness: the kernel widens every weight to the fp32 value gguf's reference
-dequantizer gives (bit for bit) and sums each output over k in order with one FMA per
-step, whatever the number of rows, the thread count or the ISA. So a row's result equals
+Exactness: the kernel widens every weight to exactly the fp32 value gguf's reference
+dequantizer gives (a zero's sign aside) and sums each output over k in order with one FMA
+per step, whatever the number of rows, the thread count or the ISA. So a row's result equals
 the one-row product's bit for bit (what lossless speculation needs: verify rows must
 equal decode rows), and the AVX-512, AVX2 and scalar paths agree bit for bit.
 
@@ -18,7 +19,8 @@ plain C++ (also what a non-x86 machine runs). ``CODESPEC_QGEMM_ISA=scalar|avx2|a
 forces one (a name this CPU lacks is an error, not a silent fallback); so does the
 ``isa`` argument of :func:`linear`. The library is built once with the system compiler
 into :func:`codespec.daemon.cpu_gemm.kernel_dir`, without ``-march``: each ISA's code
-carries its own target attributes.
+carries its own target attributes (``#pragma GCC target``: g++ builds it, clang++ does
+not).
 
 :func:`linear_i8` is a separate, inexact variant (llama.cpp's way): x rounded to int8
 per 32 inputs and blocks multiplied by integer dot products (AVX-512 VNNI, else AVX2).
