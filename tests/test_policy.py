@@ -140,15 +140,15 @@ def test_the_faster_model_proposer_wins(real_engine, one_thread):
     engine = real_engine
     prompt = heldout_prompts(engine, 1, tokens=120, seed=5)[0]
     engine.reset_cache()
-    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=200)) for t in d.token_ids]
+    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=120)) for t in d.token_ids]
     good = Positional(oracle, "correct", engine.runner.vocab_size)
     bad = Slow(oracle, "random", engine.runner.vocab_size, seed=1)
     store = PolicyStore(ForwardCosts())  # measured: calibrated when the request begins
     models = {"eagle": bad, "lookahead": good}
     silent = NgramProposer(use_context=False)  # no index either: it never drafts
     auto = AutoProposer(engine, silent, models, store)
-    out, stats = run(engine, prompt, auto, n=200)
-    assert out == plain(engine, prompt, 200)
+    out, stats = run(engine, prompt, auto, n=120)
+    assert out == plain(engine, prompt, 120)
     glob = store.engine_wide["greedy"]
     assert _rate(glob, "lookahead", 1) > _rate(glob, "eagle", 1)
     assert auto.choices["eagle"] == TRIAL_STEPS  # its trial, and no second chance yet
