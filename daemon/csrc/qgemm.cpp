@@ -32,11 +32,11 @@
 //
 // Paths, per ISA (chosen at run time by the caller: 0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512
 // F/BW/VL/DQ; each ISA's functions carry their own target attributes, the rest of the
-// file is baseline x86-64): "direct" for few rows (AVX-512 1 to 4, AVX2 1 or 2) widens
-// the weights of a whole group (64 outputs) in registers as they stream in and uses each
-// vector for every row; "scratch" for more rows widens a group's panels (K x 16 floats
-// each, in L2) once and runs a register-blocked fp32 product over them, so the widening is
-// paid once for all rows. Exact widening costs one FMA per weight vector besides the
+// file is baseline x86-64): "direct" for few rows (AVX-512 1 to 8, AVX2 1 to 4) widens
+// the weights of a group (64 outputs; 32 from 5 rows on, for registers) in registers as
+// they stream in and uses each vector for every row; "scratch" for more rows widens a
+// group's panels (K x 16 floats each, in L2) once and runs a register-blocked fp32
+// product over them, so the widening is paid once for all rows. Exact widening costs one FMA per weight vector besides the
 // rows' own: a one-row product is bound by the vector pipes (about 11 GB/s of Q4_1 per
 // Zen 4 core), many rows by the FMA units (16 fp32 multiply-adds per cycle per core).
 //
@@ -723,6 +723,10 @@ void panels(const Args& a, int64_t p0, int64_t p1) {
     case 2: return direct_range<T, 2, 4>(a, p0, p1);
     case 3: return direct_range<T, 3, 4>(a, p0, p1);
     case 4: return direct_range<T, 4, 4>(a, p0, p1);
+    case 5: return direct_range<T, 5, 2>(a, p0, p1);
+    case 6: return direct_range<T, 6, 2>(a, p0, p1);
+    case 7: return direct_range<T, 7, 2>(a, p0, p1);
+    case 8: return direct_range<T, 8, 2>(a, p0, p1);
     default: break;
   }
   float* S0 = scratch(GROUP * a.K * 16);
@@ -1021,6 +1025,8 @@ void panels(const Args& a, int64_t p0, int64_t p1) {
   switch (a.M) {
     case 1: return direct_range<T, 1, 4>(a, p0, p1);
     case 2: return direct_range<T, 2, 4>(a, p0, p1);
+    case 3: return direct_range<T, 3, 2>(a, p0, p1);
+    case 4: return direct_range<T, 4, 2>(a, p0, p1);
     default: break;
   }
   float* S0 = scratch(GROUP * a.K * 16);
