@@ -36,9 +36,10 @@
 // the weights of a group (64 outputs; 32 from 5 rows on, for registers) in registers as
 // they stream in and uses each vector for every row; "scratch" for more rows widens a
 // group's panels (K x 16 floats each, in L2) once and runs a register-blocked fp32
-// product over them, so the widening is paid once for all rows. Exact widening costs one FMA per weight vector besides the
-// rows' own: a one-row product is bound by the vector pipes (about 11 GB/s of Q4_1 per
-// Zen 4 core), many rows by the FMA units (16 fp32 multiply-adds per cycle per core).
+// product over them, so the widening is paid once for all rows. Exact widening costs one
+// FMA per weight vector besides the rows' own: a one-row product is bound by the vector
+// pipes (about 10 GB/s of Q4_1 per Zen 4 core), many rows by the FMA units (16 fp32
+// multiply-adds per cycle per core).
 //
 // A second product, cs_qgemm_i8, is what llama.cpp does instead: each row of x is rounded
 // to int8 per 32 k (one fp32 scale per 32), and blocks are multiplied by integer dot
@@ -63,12 +64,16 @@ constexpr int T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6
 // Per type: k per block, bytes per GGUF block, k per sub-block (one scale), where the
 // groups start in a panel block, bytes per group.
 template <int T> struct Tr;
-template <> struct Tr<T_Q8_0> { static constexpr int BK = 32, NATIVE = 34, SUB = 32, GOFF = 32, GB = 64; };
-template <> struct Tr<T_Q4_0> { static constexpr int BK = 32, NATIVE = 18, SUB = 32, GOFF = 32, GB = 32; };
-template <> struct Tr<T_Q4_1> { static constexpr int BK = 32, NATIVE = 20, SUB = 32, GOFF = 64, GB = 32; };
-template <> struct Tr<T_Q4_K> { static constexpr int BK = 256, NATIVE = 144, SUB = 32, GOFF = 256, GB = 32; };
-template <> struct Tr<T_Q5_K> { static constexpr int BK = 256, NATIVE = 176, SUB = 32, GOFF = 256, GB = 40; };
-template <> struct Tr<T_Q6_K> { static constexpr int BK = 256, NATIVE = 210, SUB = 16, GOFF = 288, GB = 48; };
+template <int bk, int native, int sub, int goff, int gb>
+struct TrOf {
+  static constexpr int BK = bk, NATIVE = native, SUB = sub, GOFF = goff, GB = gb;
+};
+template <> struct Tr<T_Q8_0> : TrOf<32, 34, 32, 32, 64> {};
+template <> struct Tr<T_Q4_0> : TrOf<32, 18, 32, 32, 32> {};
+template <> struct Tr<T_Q4_1> : TrOf<32, 20, 32, 64, 32> {};
+template <> struct Tr<T_Q4_K> : TrOf<256, 144, 32, 256, 32> {};
+template <> struct Tr<T_Q5_K> : TrOf<256, 176, 32, 256, 40> {};
+template <> struct Tr<T_Q6_K> : TrOf<256, 210, 16, 288, 48> {};
 
 struct Desc {
   int bk, native, sub, goff, gb;
@@ -699,7 +704,8 @@ void rows(const Args& a, int64_t m, int64_t p, const float* S) {
   const float* x = a.x + m * a.ldx;
   for (int64_t k = 0; k < a.K; ++k) {
     const V w = _mm512_loadu_ps(S + 16 * k);
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * a.ldx + k]), w, acc[r]);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * a.ldx + k]), w, acc[r]);
   }
   const __mmask16 mk = cols_mask(a.N - 16 * p);
   for (int r = 0; r < MR; ++r) put(a, m + r, 16 * p, acc[r], mk);
@@ -836,14 +842,14 @@ inline I2 group(const uint8_t* g) {
     if constexpr (T == T_Q5_K || T == T_Q6_K) {
       const uint64_t h = rd64(g + 32);
       const I b16 = _mm256_set1_epi8(16);
-      z.lo = _mm256_or_si256(z.lo, _mm256_and_si256(bits_to_bytes(static_cast<uint32_t>(h)), b16));
-      z.hi = _mm256_or_si256(z.hi, _mm256_and_si256(bits_to_bytes(static_cast<uint32_t>(h >> 32)), b16));
+      z.lo = _mm256_or_si256(z.lo, _mm256_and_si256(bits_to_bytes(uint32_t(h)), b16));
+      z.hi = _mm256_or_si256(z.hi, _mm256_and_si256(bits_to_bytes(uint32_t(h >> 32)), b16));
     }
     if constexpr (T == T_Q6_K) {
       const uint64_t h = rd64(g + 40);
       const I b32 = _mm256_set1_epi8(32);
-      z.lo = _mm256_or_si256(z.lo, _mm256_and_si256(bits_to_bytes(static_cast<uint32_t>(h)), b32));
-      z.hi = _mm256_or_si256(z.hi, _mm256_and_si256(bits_to_bytes(static_cast<uint32_t>(h >> 32)), b32));
+      z.lo = _mm256_or_si256(z.lo, _mm256_and_si256(bits_to_bytes(uint32_t(h)), b32));
+      z.hi = _mm256_or_si256(z.hi, _mm256_and_si256(bits_to_bytes(uint32_t(h >> 32)), b32));
     }
     return z;
   }
@@ -879,7 +885,8 @@ inline void scales(const uint8_t* p, int j, V2& sc, V2& off) {
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(hb, 4), _mm_set1_epi8(15));
     const __m128i u = _mm_unpacklo_epi8(lo, hi);
     const I m63 = _mm256_set1_epi32(63);
-    const I mlo = _mm256_or_si256(_mm256_slli_epi32(_mm256_cvtepu8_epi32(u), 2), _mm256_srli_epi32(alo, 6));
+    const I mlo =
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_cvtepu8_epi32(u), 2), _mm256_srli_epi32(alo, 6));
     const I mhi = _mm256_or_si256(_mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8)), 2),
                                   _mm256_srli_epi32(ahi, 6));
     sc = {_mm256_mul_ps(d.lo, _mm256_cvtepi32_ps(_mm256_and_si256(alo, m63))),
@@ -1503,8 +1510,9 @@ void direct(const ArgsI8& ai, int64_t m, int64_t p) {
         const V ms = _mm256_set1_ps(xq.ms[(m + r) * k32 + k0 / 32]);
         for (int q = 0; q < NP; ++q) {
           V2& y = acc[r][q];
-          y.lo = _mm256_fmadd_ps(_mm256_mul_ps(sc[q].lo, dx), _mm256_cvtepi32_ps(dot[r][q].lo), y.lo);
-          y.hi = _mm256_fmadd_ps(_mm256_mul_ps(sc[q].hi, dx), _mm256_cvtepi32_ps(dot[r][q].hi), y.hi);
+          const V dlo = _mm256_cvtepi32_ps(dot[r][q].lo), dhi = _mm256_cvtepi32_ps(dot[r][q].hi);
+          y.lo = _mm256_fmadd_ps(_mm256_mul_ps(sc[q].lo, dx), dlo, y.lo);
+          y.hi = _mm256_fmadd_ps(_mm256_mul_ps(sc[q].hi, dx), dhi, y.hi);
           if constexpr (i8_min(T)) {
             y.lo = _mm256_fmadd_ps(off[q].lo, ms, y.lo);
             y.hi = _mm256_fmadd_ps(off[q].hi, ms, y.hi);
