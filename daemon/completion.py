@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from codespec.daemon import crossfile, healing
+from codespec.daemon.engine import region_shape
 from codespec.daemon.healing import heal_prompt
 from codespec.daemon.prompts import fim_prompt
 from codespec.daemon.protocol import BAD_PARAMS, ProtocolError
@@ -47,11 +48,26 @@ EDIT_SYSTEM = (
 )
 
 
+EDIT_MODES = ("auto", "fim", "continue", "chat")
+
+
 @dataclass
 class EditPrompt:
+    """What ``edit`` feeds the engine and how the new region is read back.
+
+    ``lead``: the region's first line, put at the end of the prompt (``continue``
+    mode) and so the start of the answer; ``heal`` as for completions; the answer
+    ends at ``stop_lines`` (the code after the region) or when it has written as
+    many lines at the region's indentation as the draft has (``region``).
+    """
+
     prompt_ids: list[int]
-    mode: str  # "fim" | "chat"
+    mode: str  # "fim" | "continue" | "chat"
     draft_ids: list[int]
+    lead: str = ""
+    heal: str = ""
+    stop_lines: tuple[str, ...] = ()
+    region: tuple[int, int] | None = None
 
 
 def _window_prefix(prefix_ids: list[int], room: int) -> list[int]:
@@ -209,6 +225,20 @@ def complete_job(
     return job
 
 
+def edit_job(engine: Any, ep: EditPrompt, params: Any, uri: str, old: str = "") -> Any:
+    """The scheduler job for an edit prompt; ``params`` (a ``GenParams``) gets the healing
+    constraint. A ``continue`` rewrite ends with the line breaks ``old`` ended with (it
+    is cut where the next code starts, so blank lines before that are not the region's)."""
+    from codespec.daemon.scheduler import Job
+
+    params.constraint = healing.constraint(engine, ep.heal)
+    job = Job(ep.prompt_ids, params, kind="edit", uri=uri, draft_text_ids=ep.draft_ids)
+    job.heal, job.lead, job.stop_lines, job.region = ep.heal, ep.lead, ep.stop_lines, ep.region
+    if ep.mode == "continue":
+        job.trailing = old[len(old.rstrip("\r\n")) :]
+    return job
+
+
 def _next_lines(after: str) -> tuple[str, ...]:
     """The first non-blank line after the cursor's line (what a completion must not
     write again), or nothing."""
@@ -265,59 +295,103 @@ def edit_prompt(
     instruction: str,
     language: str,
     max_tokens: int,
+    mode: str = "auto",
+    context_tokens: int | None = None,
 ) -> EditPrompt:
-    """The prompt that regenerates ``text[start:end]``; ``draft`` is the old region or prediction.
+    """The prompt that regenerates ``text[start:end]``; ``draft`` is the old region or
+    the caller's prediction. In every mode the model reads the draft right before it
+    writes the region, so copying it is one n-gram lookup away. The prompt carries at
+    most ``context_tokens`` tokens of surrounding code besides the draft (default: as
+    much as the model's context holds).
 
-    FIM (the embedded model): prefix = text before the region + the draft + a line
-    break (+ the instruction as a comment), middle = the new region, suffix = the
-    text after it. The model reads the draft right before it has to write the
-    region, so copying it is one n-gram lookup away. Chat (a tokenizer with a chat
-    template): the instruction, the surrounding code and the draft in one user turn.
+    - ``fim`` (models with FIM tokens; ``auto`` picks it for them): prefix = text before
+      the region + the draft + a line break (+ the instruction as a comment), middle =
+      the new region, suffix = the text after it.
+    - ``continue`` (``auto`` for the rest): the text before the region, the draft, the
+      instruction as a comment, then the draft's first line again, healed; the model
+      continues the rewrite. Ends at the code after the region or when the rewrite
+      has as many lines at the region's indentation as the draft. A small instruct
+      model (SmolLM2-135M) copies the draft this way and answers with prose through
+      its chat template (measured: README, "Edits").
+    - ``chat`` (asked for explicitly): the instruction, the surrounding code and the
+      draft in one user turn of the model's chat template.
     """
+    if mode not in EDIT_MODES:
+        raise ProtocolError(BAD_PARAMS, f"mode must be one of {', '.join(EDIT_MODES)}")
+    if mode == "auto":
+        mode = "fim" if engine.fim is not None else "continue"
     budget = engine.max_length - max_tokens - 1
     draft_ids = engine.encode(draft)
+    if context_tokens:
+        budget = min(budget, context_tokens + 2 * len(draft_ids) + 64)
     if len(draft_ids) + 16 > budget:
         raise ProtocolError(BAD_PARAMS, "the region is too long for the model's context")
     chars = budget * CHARS_PER_TOKEN_CAP
     before = _head_text(text, start, chars)
     after = text[end : end + chars]
-    if has_chat_template(engine):
-        room = (budget - len(draft_ids) - 128) // 2
-        before_ids = _window_prefix(engine.encode(before), max(0, room))
-        after_ids = engine.encode(after)[: max(0, room)]
-        user = (
-            f"Instruction: {instruction or 'Rewrite the region, fixing any mistakes.'}\n\n"
-            f"Code before the region:\n{engine.decode(before_ids)}\n"
-            f"<region>\n{draft}</region>\n\n"
-            f"Code after the region:\n{engine.decode(after_ids)}"
-        )
-        messages = [{"role": "system", "content": EDIT_SYSTEM}, {"role": "user", "content": user}]
-        rendered = engine.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        ids = engine.encode(rendered)
-        if len(ids) > budget:
-            raise ProtocolError(BAD_PARAMS, "the region is too long for the model's context")
-        return EditPrompt(ids, "chat", draft_ids)
-    if engine.fim is None:
-        raise ProtocolError(BAD_PARAMS, "the model has neither FIM tokens nor a chat template")
+    if mode == "chat":
+        return _chat_edit(engine, before, after, draft, draft_ids, instruction, budget)
+    if mode == "fim" and engine.fim is None:
+        raise ProtocolError(BAD_PARAMS, "the model has no FIM tokens")
     copy = draft if draft.endswith("\n") or not draft else draft + "\n"
     if before and not before.endswith("\n") and copy:
         copy = "\n" + copy
     note = comment_line(language, instruction) if instruction else ""
-    prefix_ids = engine.encode(before + copy + note)
-    suffix_ids = engine.encode(after)
-    room = budget - 3
-    suf_room = min(len(suffix_ids), SUFFIX_TOKENS, room // 4)
-    pre = _window_prefix(prefix_ids, room - suf_room)
-    return EditPrompt(fim_prompt(engine.fim, pre, suffix_ids[:suf_room], budget), "fim", draft_ids)
+    if mode == "fim":
+        prefix_ids = engine.encode(before + copy + note)
+        suffix_ids = engine.encode(after)
+        room = budget - 3
+        suf_room = min(len(suffix_ids), SUFFIX_TOKENS, room // 4)
+        pre = _window_prefix(prefix_ids, room - suf_room)
+        ids = fim_prompt(engine.fim, pre, suffix_ids[:suf_room], budget)
+        return EditPrompt(ids, "fim", draft_ids)
+    first, nl, _ = draft.partition("\n")
+    lead = first + nl if nl else first[: len(first) - len(first.lstrip())]
+    ids = _window_prefix(engine.encode(before + copy + note + lead), budget)
+    ids, heal = heal_prompt(engine, ids)
+    region = region_shape(draft) if draft.strip() else None
+    # the answer is lead + what the model writes after the healed text
+    return EditPrompt(ids, "continue", draft_ids, lead, heal, _next_lines("\n" + after), region)
+
+
+def _chat_edit(
+    engine: Any,
+    before: str,
+    after: str,
+    draft: str,
+    draft_ids: list[int],
+    instruction: str,
+    budget: int,
+) -> EditPrompt:
+    """The ``chat`` edit prompt: one user turn (see :func:`edit_prompt`)."""
+    if not has_chat_template(engine):
+        raise ProtocolError(BAD_PARAMS, "the model has no chat template")
+    room = (budget - len(draft_ids) - 128) // 2
+    before_ids = _window_prefix(engine.encode(before), max(0, room))
+    after_ids = engine.encode(after)[: max(0, room)]
+    user = (
+        f"Instruction: {instruction or 'Rewrite the region, fixing any mistakes.'}\n\n"
+        f"Code before the region:\n{engine.decode(before_ids)}\n"
+        f"<region>\n{draft}</region>\n\n"
+        f"Code after the region:\n{engine.decode(after_ids)}"
+    )
+    messages = [{"role": "system", "content": EDIT_SYSTEM}, {"role": "user", "content": user}]
+    rendered = engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    ids = engine.encode(rendered)
+    if len(ids) > budget:
+        raise ProtocolError(BAD_PARAMS, "the region is too long for the model's context")
+    return EditPrompt(ids, "chat", draft_ids)
 
 
 _FENCE = re.compile(r"^\s*```[\w+-]*\n(.*?)\n?```\s*$", re.S)
 
 
 def clean_edit(text: str, mode: str) -> str:
-    """Chat replies may wrap the code in a fence; FIM middles are taken as they are."""
+    """The new region as the client gets it: chat replies may wrap the code in a fence.
+    (A ``continue`` rewrite already ends with the old region's line breaks: the
+    scheduler's text tracker sees to it, see :func:`edit_job`.)"""
     if mode == "chat":
         m = _FENCE.match(text)
         if m:

@@ -28,6 +28,9 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     off_at = 4                # active requests at which speculation is switched off
     quantum_steps = 8         # decode steps a request runs before the next one's turn
 
+    [completion]
+    context = "none"          # none | header | crossfile (what precedes the prefix)
+
     [workspace]
     max_file_bytes = 1000000
     max_files = 5000
@@ -70,6 +73,15 @@ class Speculation:
 
 
 @dataclass
+class Completion:
+    # What a completion's prompt carries besides the prefix: "none", "header" (the file
+    # under a <file_sep>path line) or "crossfile" (snippets of the other open files
+    # first). "none" by default: with SmolLM2-135M neither raised the first-line exact
+    # match (codespec bench quality; README, "Completion quality").
+    context: str = "none"
+
+
+@dataclass
 class Workspace:
     max_file_bytes: int = 1_000_000
     max_files: int = 5000
@@ -85,6 +97,7 @@ class Config:
     state_dir: str | None = None  # None: default_state_dir(); "" disables saving the index
     limits: Limits = field(default_factory=Limits)
     speculation: Speculation = field(default_factory=Speculation)
+    completion: Completion = field(default_factory=Completion)
     workspace: Workspace = field(default_factory=Workspace)
 
     @property
@@ -120,7 +133,11 @@ def default_config_path() -> Path:
     return Path(base) / "codespec" / "config.toml"
 
 
-_CHOICES = {"device": ("auto", "cpu", "cuda"), "runner": ("auto", "lean", "hf")}
+_CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
+    "runner": ("auto", "lean", "hf"),
+    "context": ("none", "header", "crossfile"),
+}
 _MIN = {
     "max_queue": 1,
     "max_tokens": 1,
@@ -144,7 +161,7 @@ def _check(section: str, obj: Any, table: dict[str, Any], path: str) -> None:
         if f is None:
             raise ConfigError(f"{path}: unknown key {name!r}")
         current = getattr(obj, key)
-        if isinstance(current, (Limits, Speculation, Workspace)):
+        if isinstance(current, (Limits, Speculation, Completion, Workspace)):
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: [{name}] must be a table")
             _check(name, current, value, path)

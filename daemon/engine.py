@@ -516,6 +516,27 @@ class _Slot:
 _REPEAT = re.compile(r"(.{4,}?)\1{3,}")
 
 
+def repeats_a_piece(line: str) -> bool:
+    """Whether ``line`` repeats a piece of 4+ characters 4+ times in a row, the piece
+    holding two different non-space characters (so indentation, ``----`` rules and
+    ``====`` underlines are not loops; ``strict_strict_strict_strict`` is)."""
+    return any(len(set(m.group(1)) - {" ", "\t"}) >= 2 for m in _REPEAT.finditer(line))
+
+
+def indent_width(line: str) -> int:
+    """Columns of leading whitespace (a tab counts 4)."""
+    expanded = line.expandtabs(4)
+    return len(expanded) - len(expanded.lstrip(" "))
+
+
+def region_shape(text: str) -> tuple[int, int]:
+    """``(indent, k)`` of a region for :class:`TextTracker`: its first line's indentation
+    and how many non-blank lines are indented that much or less."""
+    lines = text.split("\n")
+    indent = indent_width(lines[0])
+    return indent, sum(1 for s in lines if s.strip() and indent_width(s) <= indent)
+
+
 class TextTracker:
     """Text of a growing id list, emitted incrementally; stop strings end it.
 
@@ -531,6 +552,16 @@ class TextTracker:
     The first line counts only when ``first_line_counts``. ``cut_loops``: a
     completed line written for the third time, or one that repeats a piece of 4+
     characters 4+ times in a row, ends the text before that line (``looped``).
+
+    ``lead``: text the caller put at the end of the prompt that belongs to the
+    output (an edit's first line); it is emitted first and the rules see it.
+    ``region = (indent, k)``: an edit's region had ``k`` non-blank lines indented
+    at most ``indent`` columns; the text ends before the ``k+1``-th such line (the
+    rewrite has moved past the region). ``trailing``: the finished text ends with
+    exactly these line breaks (an edit ends as the old region did).
+
+    Whatever a stop may still take away is held back, so the concatenated pieces
+    always equal the finished ``text``.
     """
 
     def __init__(
@@ -541,8 +572,14 @@ class TextTracker:
         stop_lines: Sequence[str] = (),
         first_line_counts: bool = False,
         cut_loops: bool = False,
+        lead: str = "",
+        region: tuple[int, int] | None = None,
+        trailing: str | None = None,
     ) -> None:
         self.decode = decode
+        self.trailing = trailing
+        self.lead = lead
+        self.region = region
         self.stop = [s for s in stop if s]
         self.skip = skip
         self.stop_lines = {s.strip() for s in stop_lines if s.strip()}
@@ -568,13 +605,15 @@ class TextTracker:
         visible = self._visible(ids)
         if visible is None:
             return "", False
-        self.text = visible
+        self.text = self.lead + visible
         stop = self._stop_at(self.text)
         if stop is not None:
             cut, through = stop
-            self.text = self.text[:cut]
-            self.tokens_used = self._tokens_for(ids, len(self.skip) + through)
+            self.text = self._ending(self.text[:cut])
+            self.tokens_used = self._tokens_for(ids, len(self.skip) + through - len(self.lead))
             return self._take(len(self.text)), True
+        if final:
+            self.text = self._ending(self.text)
         end = len(self.text)
         if not final:
             if self.text.endswith("\ufffd"):
@@ -584,9 +623,15 @@ class TextTracker:
                     if self.text[:end].endswith(s[:k]):
                         end -= k
                         break
-            if self.stop_lines or self.cut_loops:  # the last line may still be cut
-                end = min(end, self.text.rfind("\n") + 1) if "\n" in self.text else 0
+            if self.stop_lines or self.cut_loops or self.region or self.trailing is not None:
+                # the last line may still be cut, and with it the line breaks before it
+                end = min(end, max(self.text.rfind("\n"), 0))
+                end = len(self.text[:end].rstrip("\r\n"))
         return self._take(max(end, self.emitted)), False
+
+    def _ending(self, text: str) -> str:
+        """The finished text: with ``trailing``, its line breaks replaced by those."""
+        return text if self.trailing is None else text.rstrip("\r\n") + self.trailing
 
     def _stop_at(self, text: str) -> tuple[int, int] | None:
         """``(end of the text, end of what stopped it)`` when a stop string or a stop line
@@ -598,12 +643,16 @@ class TextTracker:
                 best = (at, at + len(s))
         start = 0
         seen: dict[str, int] = {}
+        top = 0  # lines at the region's indentation or less
         for n, line in enumerate(text.split("\n")[:-1]):  # completed lines only
             key = line.strip()
             stop_line = (n > 0 or self.first_line_counts) and key in self.stop_lines
             seen[key] = seen.get(key, 0) + 1
+            if self.region is not None and key and indent_width(line) <= self.region[0]:
+                top += 1
+                stop_line = stop_line or top > self.region[1]
             # a loop: a line written the third time, or a piece repeated in a row
-            looping = self.cut_loops and key and (seen[key] >= 3 or _REPEAT.search(line))
+            looping = self.cut_loops and key and (seen[key] >= 3 or repeats_a_piece(line))
             if stop_line or looping:
                 at = max(0, start - 1)  # the line break before it goes too
                 if best is None or at < best[0]:

@@ -97,8 +97,11 @@ class Job:
     # How the output is read back (see completion.CompletionPrompt): healed text the
     # output starts with, and the lines that end a completion.
     heal: str = ""
+    lead: str = ""
     stop_lines: tuple[str, ...] = ()
     first_line_counts: bool = False
+    region: tuple[int, int] | None = None
+    trailing: str | None = None
     on_delta: Callable[[str], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
@@ -177,6 +180,9 @@ class Scheduler:
                 stop_lines=job.stop_lines,
                 first_line_counts=job.first_line_counts,
                 cut_loops=job.kind == "complete",
+                lead=job.lead,
+                region=job.region,
+                trailing=job.trailing,
             )
             self._queue.append(job)
             self._cond.notify_all()

@@ -416,7 +416,8 @@ class Server:
                 "methods": list(METHODS),
                 "speculation": proposer_names(),
                 "streaming": True,
-                "edit": "chat" if completion.has_chat_template(e) else "fim",
+                "edit": "fim" if e.fim is not None else "continue",  # the "auto" mode
+                "edit_modes": list(completion.EDIT_MODES),
                 "fim": e.fim is not None,
                 "max_frame_bytes": MAX_FRAME_BYTES,
                 "max_tokens": self.config.limits.max_tokens,
@@ -463,6 +464,7 @@ class Server:
             params,
             multiline,
             self.config.limits.context_tokens,
+            self.config.completion.context,
         )
         job.speculation = speculation
 
@@ -492,9 +494,19 @@ class Server:
         params, speculation, stream = self._gen_params(p, default_tokens)
         params.max_draft = max(params.max_draft, 64)
         ep = completion.edit_prompt(
-            self.engine, doc.text, start, end, draft, instruction, doc.language, params.max_tokens
+            self.engine,
+            doc.text,
+            start,
+            end,
+            draft,
+            instruction,
+            doc.language,
+            params.max_tokens,
+            p.str("mode", "auto", max_len=16),
+            self.config.limits.context_tokens,
         )
-        job = Job(ep.prompt_ids, params, speculation, "edit", uri, ep.draft_ids)
+        job = completion.edit_job(self.engine, ep, params, uri, old)
+        job.speculation = speculation
         span = {"start": doc.position(start), "end": doc.position(end)}
 
         def done(r: JobResult) -> dict[str, Any]:

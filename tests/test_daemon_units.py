@@ -173,7 +173,7 @@ def chat_engine(default_model_dir, tmp_path_factory):
 def test_edit_uses_the_chat_template(chat_engine, tmp_path):
     text = "def f(x):\n    return x + 1\n\n\ndef g():\n    pass\n"
     ep = completion.edit_prompt(
-        chat_engine, text, 10, 27, text[10:27], "add a docstring", "python", 32
+        chat_engine, text, 10, 27, text[10:27], "add a docstring", "python", 32, mode="chat"
     )
     assert ep.mode == "chat" and ep.draft_ids == chat_engine.encode(text[10:27])
     prompt = chat_engine.decode(ep.prompt_ids)
@@ -182,11 +182,13 @@ def test_edit_uses_the_chat_template(chat_engine, tmp_path):
     srv = ServerThread(daemon_config(tmp_path), chat_engine)
     try:
         with Client(srv.socket_path) as c:
-            assert c.request("hello")["capabilities"]["edit"] == "chat"
+            caps = c.request("hello")["capabilities"]
+            assert caps["edit"] == "continue" and "chat" in caps["edit_modes"]
             c.request("open", {"uri": "file:///c.py", "text": text, "version": 1})
             rng = {"start": {"line": 1, "character": 0}, "end": {"line": 2, "character": 0}}
             r = c.request("edit", {"uri": "file:///c.py", "range": rng, "version": 1,
-                                   "instruction": "add a docstring", "max_tokens": 6})  # fmt: skip
+                                   "instruction": "add a docstring", "max_tokens": 6,
+                                   "mode": "chat"})  # fmt: skip
             assert r["mode"] == "chat" and r["stats"]["tokens"] <= 6
             changes = [{"range": e["range"], "text": e["newText"]} for e in reversed(r["edits"])]
             lines = text.splitlines(keepends=True)

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return LookaheadProposer(store=store_for(engine), **config(name))
 
     def one(name: str, k: int) -> tuple[list[int], Any, float]:
-        prompt, max_tokens, _ = prompts[k]
+        prompt, max_tokens, _, _ = prompts[k]
         return run_one(engine, prompt, max_tokens, proposer(name), items[k].get("uri"))
 
     for name in names:  # warm-up, not timed

@@ -179,8 +179,10 @@ def run_engine(
     max_draft: int = 16,
     temperature: float = 0.0,
     seed: int = 0,
+    heal: str = "",
 ) -> Run:
     from codespec.daemon.engine import GenParams
+    from codespec.daemon.healing import constraint
     from codespec.speculators.draft import RequestInfo
     from codespec.speculators.registry import make_proposer
 
@@ -193,7 +195,12 @@ def run_engine(
         draft_text_ids=draft_ids,
     )
     params = GenParams(
-        max_tokens=max_tokens, max_draft=max_draft, temperature=temperature, seed=seed
+        max_tokens=max_tokens,
+        max_draft=max_draft,
+        temperature=temperature,
+        seed=seed,
+        constraint=constraint(engine, heal),
+        heal=heal,
     )
     ids, stats, ms = decode_once(engine, prompt, params, proposer, info)
     return Run(stats.tokens, stats.target_forwards, ms, ids, stats.ttft_ms)
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(method: str, n: int) -> Run:
         item = items[n]
-        prompt, max_tokens, draft_ids = prompts[n]
+        prompt, max_tokens, draft_ids, heal = prompts[n]
         if method in PEERS:
             assert peer is not None
             return peer.run(prompt, max_tokens, args.lookup if method == "hf-pld" else None)
@@ -297,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             int(cap) if cap else args.max_draft,
             args.temperature,
             args.seed + n,
+            heal,
         )
 
     for m in methods:  # warm-up: first prompt, every method, not timed
@@ -341,37 +349,40 @@ def build_prompt(
     max_override: int,
     prediction: str = "none",
     context: int = 1024,
-) -> tuple[list[int], int, list[int] | None]:
-    """Token ids, max_tokens and draft ids of one workload item (FIM when it has a prefix).
+) -> tuple[list[int], int, list[int] | None, str]:
+    """Token ids, max_tokens, draft ids and healed text of one workload item, laid out as
+    the daemon lays out its prompts (:mod:`codespec.daemon.completion`).
 
-    ``prediction`` (edit items): ``none`` — the old region stands in the prompt and
-    nothing else is given; ``old`` — the old region is also the request's draft text;
-    ``new`` — the new version stands in the prompt in its place and is the draft text
-    (predicted outputs / fast apply: the client already knows the new code).
+    Edit items are ``edit`` requests on the old file with the old function as the range:
+    ``prediction`` ``none`` or ``old`` — the old region is the draft (the request carries
+    no prediction); ``new`` — the request's prediction is the new version (predicted
+    outputs / fast apply: the client already knows the new code). Completion-like items
+    (a ``prefix``) are ``complete`` requests at the end of the prefix. The healed text is
+    what the first generated tokens must spell out (a constraint, as in the daemon).
     """
-    from codespec.daemon.prompts import fim_prompt
+    from codespec.daemon import completion
 
     max_tokens = max_override or int(item.get("max_tokens", 64))
-    draft_ids = None
-    if "new" in item and prediction != "none":
-        text = item[prediction]
-        if prediction == "new":
-            before = item["prefix"][: len(item["prefix"]) - len(item["old"]) - 1]
-            item = dict(item, prefix=before + text + "\n")
-        draft_ids = engine.encode(text)
-    if "new" in item and not max_override:  # an edit: room for the new text and a little more
-        max_tokens = min(max_tokens, len(engine.encode(item["new"])) + 16)
-    budget = min(context, engine.max_length - 1 - max_tokens)
+    if "new" in item:  # an edit: room for the new text and a little more
+        if not max_override:
+            max_tokens = min(max_tokens, len(engine.encode(item["new"])) + 16)
+        before = item["prefix"][: len(item["prefix"]) - len(item["old"]) - 1]
+        text = before + item["old"] + item.get("suffix", "")
+        draft = item["new"] if prediction == "new" else item["old"]
+        ep = completion.edit_prompt(
+            engine, text, len(before), len(before) + len(item["old"]), draft, "", "python",
+            max_tokens, context_tokens=context,
+        )  # fmt: skip
+        return ep.prompt_ids, max_tokens, ep.draft_ids, ep.heal
     if "prefix" in item:
-        if engine.fim is None:
-            ids = engine.encode(item["prefix"])[-budget:]
-        else:
-            pre, suf = engine.encode(item["prefix"]), engine.encode(item.get("suffix", ""))
-            ids = fim_prompt(engine.fim, pre, suf, budget)
-    else:
-        ids = item.get("prompt_ids") or engine.encode(item["prompt"])
-        ids = ids[-budget:]
-    return ids, max_tokens, draft_ids
+        text = item["prefix"] + item.get("suffix", "")
+        cp = completion.complete_prompt(
+            engine, text, len(item["prefix"]), max_tokens, context, uri=item.get("uri", "")
+        )
+        return cp.prompt_ids, max_tokens, None, cp.heal
+    budget = min(context, engine.max_length - 1 - max_tokens)
+    ids = item.get("prompt_ids") or engine.encode(item["prompt"])
+    return ids[-budget:], max_tokens, None, ""
 
 
 def _build_index(engine, items: list[dict[str, Any]]):

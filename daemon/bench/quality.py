@@ -26,15 +26,13 @@ import argparse
 import ast
 import difflib
 import json
-import re
 import sys
 import textwrap
 from datetime import date
 from typing import Any
 
 from codespec.daemon.bench.methods import add_engine_args, load_workload, open_engine
-
-_REPEAT = re.compile(r"(.{4,}?)\1{3,}", re.S)
+from codespec.daemon.engine import repeats_a_piece
 
 
 def loops(text: str) -> bool:
@@ -43,7 +41,7 @@ def loops(text: str) -> bool:
     lines = [s.strip() for s in text.splitlines() if s.strip()]
     if any(lines.count(s) >= 3 for s in set(lines)):
         return True
-    return _REPEAT.search(text) is not None
+    return any(repeats_a_piece(s) for s in lines)
 
 
 def first_line(text: str) -> str:
