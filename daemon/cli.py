@@ -79,7 +79,7 @@ def non_negative_float(text: str) -> float:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from codespec.daemon.engine import Engine, GenParams
+    from codespec.daemon.engine.engine import Engine, GenParams
     from codespec.speculators.registry import UnknownProposer, make_proposer, names
 
     if args.speculation not in names():
@@ -139,7 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from codespec.daemon import models
+    from codespec.daemon.engine import models
 
     root = models.models_root(args.state_dir)
     try:
@@ -164,13 +164,13 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def cmd_train_eagle(args: argparse.Namespace, rest: list[str]) -> int:
-    from codespec.daemon import train_eagle
+    from codespec.daemon.training import train_eagle
 
     return train_eagle.main(rest)
 
 
 def cmd_train_medusa(args: argparse.Namespace, rest: list[str]) -> int:
-    from codespec.daemon import train_medusa
+    from codespec.daemon.training import train_medusa
 
     return train_medusa.main(rest)
 
@@ -189,7 +189,7 @@ def cmd_lsp(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from codespec.daemon.config import ConfigError, load_config, validate
-    from codespec.daemon.server import SocketInUse, serve
+    from codespec.daemon.service.daemon import SocketInUse, serve
 
     try:
         config = load_config(args.config)
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 1
     except Exception as exc:
-        from codespec.daemon.engine import ModelLoadError
+        from codespec.daemon.engine.engine import ModelLoadError
 
         if isinstance(exc, (CliError, ModelLoadError)):
             print(f"codespec: error: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from codespec.daemon.config import default_socket_path
-from codespec.daemon.protocol import HEADER, MAX_FRAME_BYTES, pack, unpack_body
+from codespec.daemon.service.protocol import HEADER, MAX_FRAME_BYTES, pack, unpack_body
 
 __all__ = ["AsyncClient", "Client", "DaemonError", "Pending", "default_socket_path"]
 

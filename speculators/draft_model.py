@@ -8,7 +8,7 @@ length.
 
 Must not touch: the target model or its cache, verification, the engine's
 loop, the runners (the draft model is loaded with the engine's own
-:func:`~codespec.daemon.engine.load_runner`: the lean runner when it supports
+:func:`~codespec.daemon.engine.engine.load_runner`: the lean runner when it supports
 the architecture, so its cache is static and rolls back by moving a length).
 
 The draft model's cache. ``DraftRuntime.ids`` mirrors it token for token. One
@@ -224,7 +224,7 @@ def _load_runtime(engine: Any, where: Path) -> DraftRuntime:
             f"differ); a draft model must share the target's tokenizer: "
             + train_hint(target, where)
         )
-    from codespec.daemon.engine import ModelLoadError, load_runner
+    from codespec.daemon.engine.engine import ModelLoadError, load_runner
 
     runner = engine.runner
     try:

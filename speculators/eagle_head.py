@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codespec.daemon import cpu_gemm
+from codespec.daemon.engine import cpu_gemm
 
 SPECULATORS_VERSION = "0.3.0"
 WEIGHTS = "model.safetensors"
@@ -108,7 +108,7 @@ class EagleConfig:
         name_or_path: str | None = None,
     ) -> EagleConfig:
         """A head shaped like one layer of ``target`` (a transformers config)."""
-        from codespec.daemon.runner_lean import _rope_params
+        from codespec.daemon.engine.lean import _rope_params
 
         heads = int(target.num_attention_heads)
         hidden = int(target.hidden_size)

@@ -30,7 +30,7 @@ torch.set_num_threads(int(os.environ.get("CODESPEC_TEST_THREADS", min(2, os.cpu_
 def _pin_models_root() -> None:
     """Every process the tests start (daemons, language servers, editors) finds the default
     model where this one does, whatever XDG_CACHE_HOME a test gives it."""
-    from codespec.daemon import models
+    from codespec.daemon.engine import models
 
     os.environ["CODESPEC_MODELS"] = str(models.models_root())
 
@@ -56,7 +56,7 @@ FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model's folder (SmolLM2-135M-Instruct), fetched once if absent."""
-    from codespec.daemon import models
+    from codespec.daemon.engine import models
 
     return models.default_model()
 
@@ -109,14 +109,14 @@ def tiny_model(default_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def engine(tiny_model):
     """An engine over the tiny random Llama with the default model's tokenizer."""
-    from codespec.daemon.engine import Engine
+    from codespec.daemon.engine.engine import Engine
 
     return Engine(tiny_model, runner=os.environ.get("CODESPEC_TEST_RUNNER", "auto"))
 
 
 @pytest.fixture(scope="session")
 def hf_engine(tiny_model):
-    from codespec.daemon.engine import Engine
+    from codespec.daemon.engine.engine import Engine
 
     return Engine(tiny_model, runner="hf")
 
@@ -132,7 +132,7 @@ def spec_engine(engine, tiny_model, tmp_path_factory):
     seed=11)``) and their 24-token greedy continuations, so drafts on those prompts really
     get accepted; ``draft/`` the model itself with a little noise on its weights (mostly
     accepted, with partial accepts)."""
-    from codespec.daemon.engine import Engine, GenParams
+    from codespec.daemon.engine.engine import Engine, GenParams
     from helpers import draft_model_for, eagle_head_for, medusa_heads_for
 
     folder = tmp_path_factory.mktemp("spec_model")
@@ -160,7 +160,7 @@ def spec_engine(engine, tiny_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def real_engine(default_model_dir):
     """The real default model (``Engine()``), for tests that need sensible code or copying."""
-    from codespec.daemon.engine import Engine
+    from codespec.daemon.engine.engine import Engine
 
     e = Engine(runner=os.environ.get("CODESPEC_TEST_RUNNER", "auto"))
     assert e.model_path == str(default_model_dir)
@@ -184,7 +184,7 @@ def add_fim_tokens(folder: Path) -> None:
 def fim_engine(default_model_dir, tmp_path_factory):
     """A tiny random Llama whose tokenizer has FIM tokens (the default model's plus
     <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>) and no chat template: the FIM paths."""
-    from codespec.daemon.engine import Engine
+    from codespec.daemon.engine.engine import Engine
 
     folder = copy_tokenizer(default_model_dir, tmp_path_factory.mktemp("fim_model"))
     add_fim_tokens(folder)
@@ -242,7 +242,7 @@ class ServerThread:
         import asyncio
         import threading
 
-        from codespec.daemon.server import make_server
+        from codespec.daemon.service.daemon import make_server
 
         self.loop = asyncio.new_event_loop()
         self.server = make_server(config, engine)

@@ -99,7 +99,7 @@ def daemon_pids(socket_path: str) -> list[int]:
 
 def _target(model_dir: Path):
     """The model in ``model_dir`` as the trainers see it (fp32, frozen)."""
-    from codespec.daemon.train_eagle import Target
+    from codespec.daemon.training.train_eagle import Target
 
     return Target(str(model_dir))
 
@@ -134,7 +134,7 @@ def eagle_head_for(
     ``train_on``, so its drafts of those sequences get accepted."""
     import torch
 
-    from codespec.daemon.train_eagle import EagleTrainConfig, ttt_loss
+    from codespec.daemon.training.train_eagle import EagleTrainConfig, ttt_loss
     from codespec.speculators.eagle_head import EagleConfig, EagleHead, save_head
 
     target = _target(model_dir)
@@ -173,7 +173,7 @@ def medusa_heads_for(
     random, or trained for ``steps`` steps (``train_medusa.medusa_loss``) on ``train_on``."""
     import torch
 
-    from codespec.daemon.train_medusa import medusa_loss
+    from codespec.daemon.training.train_medusa import medusa_loss
     from codespec.speculators.medusa import MedusaConfig, MedusaHeads, save_heads
 
     target = _target(model_dir)

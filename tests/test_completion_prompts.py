@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from codespec.daemon.client import Client
-from codespec.daemon.completion import file_label, shape
+from codespec.daemon.prompts.completion import file_label, shape
 from conftest import ServerThread, daemon_config
 
 SOURCE = Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py"

@@ -1,4 +1,4 @@
-"""The CPU product kernel (``codespec.daemon.cpu_gemm``) against torch.
+"""The CPU product kernel (``codespec.daemon.engine.cpu_gemm``) against torch.
 
 Checks: it builds wherever it should (an x86-64 CPU with AVX2 and FMA and a C++
 compiler; a build failure must fail here, not fall back silently), its products
@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from codespec.daemon import cpu_gemm
+from codespec.daemon.engine import cpu_gemm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,7 +135,7 @@ def test_bad_shapes_are_refused() -> None:
 
 def test_switched_off_by_the_environment(tmp_path) -> None:
     code = (
-        "from codespec.daemon import cpu_gemm; "
+        "from codespec.daemon.engine import cpu_gemm; "
         "print(cpu_gemm.library() is None, '|', cpu_gemm.unavailable_reason())"
     )
     env = dict(os.environ, CODESPEC_CPU_KERNELS="0", XDG_CACHE_HOME=str(tmp_path))
@@ -149,7 +149,7 @@ def test_switched_off_by_the_environment(tmp_path) -> None:
 def test_a_fresh_cache_builds_once_and_reuses(tmp_path) -> None:
     """A new state dir gets one compiled library; a second process loads it without g++."""
     code = (
-        "from codespec.daemon import cpu_gemm; import sys; "
+        "from codespec.daemon.engine import cpu_gemm; import sys; "
         "sys.exit(0 if cpu_gemm.library() is not None else cpu_gemm.unavailable_reason())"
     )
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))

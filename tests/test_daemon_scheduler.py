@@ -14,9 +14,9 @@ import pytest
 
 from codespec.daemon.client import AsyncClient, Client, DaemonError
 from codespec.daemon.config import Speculation
-from codespec.daemon.engine import GenParams, TextTracker
-from codespec.daemon.protocol import pack
-from codespec.daemon.scheduler import Job, Scheduler, speculation_policy
+from codespec.daemon.engine.engine import GenParams, TextTracker
+from codespec.daemon.service.protocol import pack
+from codespec.daemon.service.scheduler import Job, Scheduler, speculation_policy
 
 PROMPT = "import os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"
 
@@ -66,7 +66,7 @@ def test_preempted_request_equals_uninterrupted_greedy(engine, scheduler, monkey
     The switch-cost rule (a turn lasts until decode time reaches a multiple of its
     prefill time) depends on timings; it is off here so turns end by the quantum alone.
     """
-    monkeypatch.setattr("codespec.daemon.scheduler.SWITCH_COST_RATIO", 0.0)
+    monkeypatch.setattr("codespec.daemon.service.scheduler.SWITCH_COST_RATIO", 0.0)
     long_ids = engine.encode(PROMPT)
     short_ids = engine.encode("class Stack:\n    def push(self, x):\n")
     engine.reset_cache()
@@ -202,7 +202,7 @@ def test_a_model_proposer_without_weights_is_bad_params(engine, name):
     """Asking for a model proposer the model has no weights for (the tiny engine's model has
     none beside it) fails the request with bad_params saying so, not the daemon; "auto"
     leaves it out and decodes."""
-    from codespec.daemon.protocol import ProtocolError
+    from codespec.daemon.service.protocol import ProtocolError
 
     s = Scheduler(engine, None, Speculation(), 8)
     s.start()

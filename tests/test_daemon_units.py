@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from codespec.daemon import completion
 from codespec.daemon.client import Client
 from codespec.daemon.config import ConfigError, load_config
-from codespec.daemon.documents import DocumentStore
-from codespec.daemon.protocol import ProtocolError
-from codespec.daemon.workspace import IgnoreRules, Workspace
+from codespec.daemon.prompts import completion
+from codespec.daemon.service.documents import DocumentStore
+from codespec.daemon.service.protocol import ProtocolError
+from codespec.daemon.service.workspace import IgnoreRules, Workspace
 from codespec.ngram_index.positions import TextDocument, apply_changes
 from conftest import ServerThread, daemon_config, tiny_model_dir
 
@@ -78,7 +78,7 @@ def test_text_edits_turn_old_into_new_randomly():
             new[at:at + rng.randrange(3)] = rng.choice(words)  # fmt: skip
         new = "".join(new)
         text = before + old + after
-        from codespec.daemon.documents import Document
+        from codespec.daemon.service.documents import Document
 
         doc = Document("u", TextDocument(text))
         edits = completion.text_edits(doc, len(before), old, new)
@@ -157,7 +157,7 @@ def test_workspace_method_feeds_the_index(daemon, tmp_path):
 def chat_engine(default_model_dir, tmp_path_factory):
     """A tiny random Llama with the default tokenizer and a chat template of our own (easy
     to read in the prompt) in place of SmolLM2's."""
-    from codespec.daemon.engine import Engine
+    from codespec.daemon.engine.engine import Engine
 
     folder = tiny_model_dir(tmp_path_factory.mktemp("chat_model"), default_model_dir)
     (folder / "chat_template.jinja").unlink(missing_ok=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from codespec.daemon.runner import tree_layout
+from codespec.daemon.engine.runner import tree_layout
 from codespec.speculators.draft import Draft
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from codespec.daemon.engine import GenParams, load_runner
+from codespec.daemon.engine.engine import GenParams, load_runner
 from codespec.speculators.draft import Draft, StepResult
 from codespec.speculators.draft_model import (
     DraftModelProposer,
@@ -109,7 +109,7 @@ def test_missing_draft_model_is_a_clear_lookup_error(tmp_path: Path):
 
 def test_another_tokenizer_is_refused(engine, tmp_path: Path):
     """A draft model whose tokenizer differs from the target's is refused, with the counts."""
-    from codespec.daemon.train_data import train_tokenizer, write_tokenizer_files
+    from codespec.daemon.training.train_data import train_tokenizer, write_tokenizer_files
 
     texts = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
     write_tokenizer_files(train_tokenizer(texts, 300), tmp_path)

@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from codespec.daemon.engine import GenParams
-from codespec.daemon.runner_lean import LeanRunner
+from codespec.daemon.engine.engine import GenParams
+from codespec.daemon.engine.lean import LeanRunner
 from codespec.speculators.draft import MissingWeights, StepResult
 from codespec.speculators.eagle import (
     AcceptanceStats,

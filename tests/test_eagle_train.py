@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from codespec.daemon import train_eagle
+from codespec.daemon.training import train_eagle
 from codespec.speculators.eagle_head import EagleConfig, EagleHead, load_head
 from conftest import tiny_llama, tiny_model_dir
 
@@ -117,7 +117,7 @@ def test_sample_builder_rows_for_fim_and_plain_tokenizers():
     """With codespec's FIM tokens the rows mix prefix-suffix-middle samples (in that order)
     and left-to-right text; without them, plain windows. Rows are seq_len + 1 tokens and
     depend only on (seed, step, index), so a resumed run sees the same samples."""
-    from codespec.daemon import train_data
+    from codespec.daemon.training import train_data
 
     texts = train_data.read_texts(sorted(train_data.stdlib_root().glob("[b-c]*.py"))[:6])
     tok = train_data.train_tokenizer(texts, 600)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codespec.daemon.engine import Engine, GenParams, ModelLoadError
+from codespec.daemon.engine.engine import Engine, GenParams, ModelLoadError
 from conftest import heldout_prompts
 from helpers import ScriptedProposer
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codespec.daemon.engine import GenParams, TextTracker
-from codespec.daemon.healing import Healing, TokenTexts, constraint, heal_prompt
+from codespec.daemon.engine.engine import GenParams, TextTracker
+from codespec.daemon.text.healing import Healing, TokenTexts, constraint, heal_prompt
 from codespec.speculators.registry import make_proposer
 
 

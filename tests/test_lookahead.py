@@ -153,7 +153,7 @@ def run(engine, prompt: list[int], params, proposer=None) -> tuple[list[int], ob
 
 
 def plain(engine, prompt: list[int], max_tokens: int) -> list[int]:
-    from codespec.daemon.engine import GenParams
+    from codespec.daemon.engine.engine import GenParams
 
     return run(engine, prompt, GenParams(max_tokens=max_tokens))[0]
 
@@ -161,7 +161,7 @@ def plain(engine, prompt: list[int], max_tokens: int) -> list[int]:
 def test_greedy_outputs_equal_plain_decoding(engine, one_thread) -> None:
     """Temperature 0: lookahead emits plain decoding's tokens on held-out prompts, with the
     window always on (min_yield 0) and with the defaults, and the drafts get accepted."""
-    from codespec.daemon.engine import GenParams
+    from codespec.daemon.engine.engine import GenParams
 
     store = PoolStore()
     accepted = {POOL: 0, WINDOW: 0}
@@ -180,7 +180,7 @@ def test_greedy_outputs_equal_plain_decoding(engine, one_thread) -> None:
 
 def test_tiny_budgets_and_sampling_finish(engine, one_thread) -> None:
     """max_draft 1 and 2 still decode losslessly; temperature > 0 runs finish."""
-    from codespec.daemon.engine import GenParams
+    from codespec.daemon.engine.engine import GenParams
 
     prompt = heldout_prompts(engine, 1, tokens=100, seed=3)[0]
     want = plain(engine, prompt, 24)

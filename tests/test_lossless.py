@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codespec.daemon.engine import GenParams
+from codespec.daemon.engine.engine import GenParams
 from codespec.speculators.registry import make_proposer, weights
 from conftest import SPEC_PROMPTS, heldout_prompts
 from helpers import ScriptedProposer

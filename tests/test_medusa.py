@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from codespec.daemon import train_medusa
-from codespec.daemon.engine import GenParams
+from codespec.daemon.engine.engine import GenParams
+from codespec.daemon.training import train_medusa
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 from codespec.speculators.medusa import (
     HeadsRunner,

@@ -23,8 +23,8 @@ import pytest
 import torch
 from ggufs import write_gguf
 
-from codespec.daemon import models
-from codespec.daemon.engine import load_runner
+from codespec.daemon.engine import models
+from codespec.daemon.engine.engine import load_runner
 
 TEXT = "def f(x):\n\tcafé = '中文'  # 🚀\r\n    return x\n"
 

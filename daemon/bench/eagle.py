@@ -87,7 +87,7 @@ class Acc:
 
 def run_one(engine, prompt: list[int], max_tokens: int, proposer) -> tuple[list[int], Any, float]:
     from codespec.daemon.bench.methods import decode_once
-    from codespec.daemon.engine import GenParams
+    from codespec.daemon.engine.engine import GenParams
 
     return decode_once(engine, prompt, GenParams(max_tokens=max_tokens), proposer)
 

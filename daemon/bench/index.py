@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from codespec.daemon import models
+from codespec.daemon.engine import models
 from codespec.ngram_index import NgramIndex
 
 KEYS = "abcdefghijklmnopqrstuvwxyz_(). :,=0123456789"

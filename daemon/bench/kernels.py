@@ -4,10 +4,10 @@ Owns one measurement: for the default model's matrix shapes (SmolLM2-135M: 576->
 q+k+v, 576->576 o, 576->3072 gate+up, 1536->576 down in Q4_1; the 49152x576 LM head in
 Q8_0) and rows M in 1, 2, 4, 8, 16, the time of one product ``x @ W^T`` by
 
-- ``gguf``: :func:`codespec.daemon.quant_gemm.linear` on the GGUF blocks (exact widening);
-- ``gguf-i8``: :func:`codespec.daemon.quant_gemm.linear_i8` (x rounded to int8 per 32);
+- ``gguf``: :func:`codespec.daemon.engine.quant_gemm.linear` on the GGUF blocks (exact widening);
+- ``gguf-i8``: :func:`codespec.daemon.engine.quant_gemm.linear_i8` (x rounded to int8 per 32);
 - ``fp32``: torch's ``F.linear`` on fp32 weights (MKL);
-- ``panels-fp16``: :mod:`codespec.daemon.cpu_gemm`'s fp16 panels;
+- ``panels-fp16``: :mod:`codespec.daemon.engine.cpu_gemm`'s fp16 panels;
 - ``torch-int8``: ``torch.ops.aten._weight_int8pack_mm`` (int8 per output channel);
 - ``torch-int4``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (int4, groups of 32);
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from codespec.daemon import cpu_gemm, quant_gemm
+from codespec.daemon.engine import cpu_gemm, quant_gemm
 
 # name, inputs k, outputs n, GGUF block type (the default model's)
 SHAPES = [

@@ -95,7 +95,7 @@ def run_one(
     engine, prompt: list[int], max_tokens: int, proposer, uri
 ) -> tuple[list[int], Any, float]:
     from codespec.daemon.bench.methods import decode_once
-    from codespec.daemon.engine import GenParams
+    from codespec.daemon.engine.engine import GenParams
     from codespec.speculators.draft import RequestInfo
 
     info = RequestInfo(prompt_ids=list(prompt), uri=uri, max_tokens=max_tokens)

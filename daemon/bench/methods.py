@@ -79,7 +79,7 @@ class HFPeer:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from codespec.daemon.runner import HFRunner
+        from codespec.daemon.engine.runner import HFRunner
 
         if isinstance(engine.runner, HFRunner):
             self.model = engine.runner.model
@@ -181,8 +181,8 @@ def run_engine(
     seed: int = 0,
     heal: str = "",
 ) -> Run:
-    from codespec.daemon.engine import GenParams
-    from codespec.daemon.healing import constraint
+    from codespec.daemon.engine.engine import GenParams
+    from codespec.daemon.text.healing import constraint
     from codespec.speculators.draft import RequestInfo
     from codespec.speculators.registry import make_proposer
 
@@ -222,7 +222,7 @@ def open_engine(args: argparse.Namespace) -> Any:
     """Set torch's threads from ``args`` and load the engine they name."""
     import torch
 
-    from codespec.daemon.engine import Engine
+    from codespec.daemon.engine.engine import Engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -351,7 +351,7 @@ def build_prompt(
     context: int = 1024,
 ) -> tuple[list[int], int, list[int] | None, str]:
     """Token ids, max_tokens, draft ids and healed text of one workload item, laid out as
-    the daemon lays out its prompts (:mod:`codespec.daemon.completion`).
+    the daemon lays out its prompts (:mod:`codespec.daemon.prompts.completion`).
 
     Edit items are ``edit`` requests on the old file with the old function as the range:
     ``prediction`` ``none`` or ``old`` — the old region is the draft (the request carries
@@ -360,7 +360,7 @@ def build_prompt(
     (a ``prefix``) are ``complete`` requests at the end of the prefix. The healed text is
     what the first generated tokens must spell out (a constraint, as in the daemon).
     """
-    from codespec.daemon import completion
+    from codespec.daemon.prompts import completion
 
     max_tokens = max_override or int(item.get("max_tokens", 64))
     if "new" in item:  # an edit: room for the new text and a little more

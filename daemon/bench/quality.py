@@ -4,7 +4,7 @@ Runs the daemon's own completion path (the document store, the prompt with its
 cross-file context, token healing, the stop rules, the scheduler; no socket) at
 real cursor positions of the ``completion`` and ``function`` workloads that
 ``codespec bench make-workloads`` writes, once per prompt variant
-(``--variants none,header,crossfile``, see :data:`codespec.daemon.completion.CONTEXTS`):
+(``--variants none,header,crossfile``, see :data:`codespec.daemon.prompts.completion.CONTEXTS`):
 
 - ``completion`` items (the cursor at the start of a body line): a single-line
   request, its line against the file's real next line — exact match (whitespace
@@ -32,7 +32,7 @@ from datetime import date
 from typing import Any
 
 from codespec.daemon.bench.methods import add_engine_args, load_workload, open_engine
-from codespec.daemon.engine import repeats_a_piece
+from codespec.daemon.engine.engine import repeats_a_piece
 
 
 def loops(text: str) -> bool:
@@ -65,8 +65,8 @@ class Runner:
 
     def __init__(self, engine: Any, speculation: str, context_tokens: int) -> None:
         from codespec.daemon.config import Speculation
-        from codespec.daemon.crossfile import SnippetCache
-        from codespec.daemon.scheduler import Scheduler
+        from codespec.daemon.prompts.crossfile import SnippetCache
+        from codespec.daemon.service.scheduler import Scheduler
 
         self.engine = engine
         self.speculation = speculation
@@ -77,9 +77,9 @@ class Runner:
         self.last_cut = False  # whether the daemon cut a loop off the last completion
 
     def complete(self, item: dict[str, Any], variant: str, multiline: bool) -> str:
-        from codespec.daemon import completion
-        from codespec.daemon.documents import DocumentStore
-        from codespec.daemon.engine import GenParams
+        from codespec.daemon.engine.engine import GenParams
+        from codespec.daemon.prompts import completion
+        from codespec.daemon.service.documents import DocumentStore
 
         store = DocumentStore()
         for d in reversed(item.get("documents", [])[1:]):  # the first listed is the newest
@@ -117,7 +117,7 @@ def block(item: dict[str, Any], text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from codespec.daemon.completion import CONTEXTS
+    from codespec.daemon.prompts.completion import CONTEXTS
 
     p = argparse.ArgumentParser(prog="codespec bench quality", description=__doc__.split("\n")[0])
     p.add_argument("workload", nargs="+", help="completion / function workloads (JSONL)")

@@ -28,7 +28,7 @@ For T > 1 the floor is still the bytes floor; verification can be compute-bound.
 
 The model: ``--model`` (what ``codespec serve --model`` takes: an HF checkpoint
 folder, a name in the local HF cache or a ``.gguf`` file), else the default model
-(SmolLM2-135M-Instruct, fetched once, see ``codespec.daemon.models``), else, when
+(SmolLM2-135M-Instruct, fetched once, see ``codespec.daemon.engine.models``), else, when
 that cannot be had (offline, nothing cached) or with ``--random``, a
 random-initialised 4-layer, 384-wide Llama (vocab 8192, 6 heads, 2 kv heads,
 intermediate 1024). Contexts beyond the model's ``max_position_embeddings`` are
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from codespec.daemon import models
-from codespec.daemon.runner import HFRunner
-from codespec.daemon.runner_lean import LeanRunner, kv_bytes, param_bytes
+from codespec.daemon.engine import models
+from codespec.daemon.engine.lean import LeanRunner, kv_bytes, param_bytes
+from codespec.daemon.engine.runner import HFRunner
 
 
 def _model_dir(model: str | None, random_weights: bool) -> Path | None:

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from codespec.daemon.models import display_name
-from codespec.daemon.train_data import collect_sources
-from codespec.daemon.train_eagle import (
+from codespec.daemon.engine.models import display_name
+from codespec.daemon.training.train_data import collect_sources
+from codespec.daemon.training.train_eagle import (
     Target,
     draft_vocabulary,
     heldout_eval_windows,
@@ -125,7 +125,7 @@ def heldout_acceptance(model_path: str, heads_path: Path, cfg: MedusaTrainConfig
     Per depth i: P(depth i accepted | depth i - 1 was, the draft reaching depth i);
     the bonus token is not counted.
     """
-    from codespec.daemon.engine import Engine, GenParams
+    from codespec.daemon.engine.engine import Engine, GenParams
     from codespec.speculators.medusa import MedusaProposer
 
     engine = Engine(model_path, device="cpu")

@@ -18,7 +18,7 @@ Dispatch: the best ISA this CPU has, AVX-512 (F/BW/VL/DQ), else AVX2+FMA+F16C, e
 plain C++ (also what a non-x86 machine runs). ``CODESPEC_QGEMM_ISA=scalar|avx2|avx512``
 forces one (a name this CPU lacks is an error, not a silent fallback); so does the
 ``isa`` argument of :func:`linear`. The library is built once with the system compiler
-into :func:`codespec.daemon.cpu_gemm.kernel_dir`, without ``-march``: each ISA's code
+into :func:`codespec.daemon.engine.cpu_gemm.kernel_dir`, without ``-march``: each ISA's code
 carries its own target attributes (``#pragma GCC target``: g++ builds it, clang++ does
 not).
 
@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from codespec.daemon.cpu_gemm import (
+from codespec.daemon.engine.cpu_gemm import (
     THREADED_ROWS,
     THREADED_WEIGHTS,
     _compiler,

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from codespec.daemon.models import display_name
-from codespec.daemon.train_data import (
+from codespec.daemon.engine.models import display_name
+from codespec.daemon.training.train_data import (
     SPECIAL_TOKENS,
     SampleBuilder,
     SampleConfig,
@@ -274,8 +274,8 @@ def heldout_acceptance(
     Per position i: P(draft token i accepted | the draft reached depth i and tokens
     1..i-1 were accepted) and P(accepted length >= i); the bonus token is not counted.
     """
-    from codespec.daemon.engine import Engine, GenParams
-    from codespec.daemon.train_data import collect_sources as sources
+    from codespec.daemon.engine.engine import Engine, GenParams
+    from codespec.daemon.training.train_data import collect_sources as sources
     from codespec.speculators.eagle import EagleProposer
 
     engine = Engine(model_path, device="cpu")
@@ -435,7 +435,7 @@ def prepare(
 ) -> tuple[str, Path, Any, list[str], Target]:
     """What every head trainer starts from: torch threads set, the target's folder, the
     output folder (created), the target's tokenizer, the training texts, the target."""
-    from codespec.daemon.engine import resolve_model_path
+    from codespec.daemon.engine.engine import resolve_model_path
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -6,9 +6,9 @@ q/k/v and gate/up into one matrix each, preallocates the whole KV cache once and
 computes the RoPE tables once. One forward serves prefill, decode and draft-tree
 verification; they differ only in how many positions are fed and in the mask.
 
-It keeps the :class:`~codespec.daemon.runner.Runner` contract of ``runner.py``
+It keeps the :class:`~codespec.daemon.engine.runner.Runner` contract of ``runner.py``
 (cache verbs, ``ForwardOut``, positions and masks from
-:func:`~codespec.daemon.runner.tree_layout`) and must not change it: the engine
+:func:`~codespec.daemon.engine.runner.tree_layout`) and must not change it: the engine
 swaps runners freely and ``HFRunner`` is the reference the tests compare against.
 It knows nothing about tokenizers, sampling or proposers.
 
@@ -71,8 +71,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from codespec.daemon import cpu_gemm
-from codespec.daemon.runner import ForwardOut, check_forward, check_keep, tree_layout
+from codespec.daemon.engine import cpu_gemm
+from codespec.daemon.engine.runner import ForwardOut, check_forward, check_keep, tree_layout
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 # Forwards of at most this many tokens take cpu_gemm's attention (with the kernels on):

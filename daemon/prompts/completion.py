@@ -18,11 +18,12 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon import crossfile, healing
-from codespec.daemon.engine import region_shape
-from codespec.daemon.healing import heal_prompt
-from codespec.daemon.prompts import fim_prompt
-from codespec.daemon.protocol import BAD_PARAMS, ProtocolError
+from codespec.daemon.engine.engine import region_shape
+from codespec.daemon.prompts import crossfile
+from codespec.daemon.prompts.fim import fim_prompt
+from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError
+from codespec.daemon.text import healing
+from codespec.daemon.text.healing import heal_prompt
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
 SUFFIX_TOKENS = 128  # the most suffix tokens a prompt carries (all re-fed per keystroke)
@@ -199,7 +200,7 @@ def complete_job(
     prefix alone), ``header`` (under a ``<file_sep>path`` line) or ``crossfile``
     (after snippets of the other recent ``documents``). ``params`` (a ``GenParams``)
     is completed in place: single-line completions stop at a line break."""
-    from codespec.daemon.scheduler import Job
+    from codespec.daemon.service.scheduler import Job
 
     if context not in CONTEXTS:
         raise ValueError(f"context must be one of {', '.join(CONTEXTS)}")
@@ -229,7 +230,7 @@ def edit_job(engine: Any, ep: EditPrompt, params: Any, uri: str, old: str = "") 
     """The scheduler job for an edit prompt; ``params`` (a ``GenParams``) gets the healing
     constraint. A ``continue`` rewrite ends with the line breaks ``old`` ended with (it
     is cut where the next code starts, so blank lines before that are not the region's)."""
-    from codespec.daemon.scheduler import Job
+    from codespec.daemon.service.scheduler import Job
 
     params.constraint = healing.constraint(engine, ep.heal)
     job = Job(ep.prompt_ids, params, kind="edit", uri=uri, draft_text_ids=ep.draft_ids)

@@ -43,8 +43,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon.engine import GenParams, TextTracker
-from codespec.daemon.protocol import BAD_PARAMS, CANCELLED, INTERNAL, OVERLOADED, ProtocolError
+from codespec.daemon.engine.engine import GenParams, TextTracker
+from codespec.daemon.service.protocol import (
+    BAD_PARAMS,
+    CANCELLED,
+    INTERNAL,
+    OVERLOADED,
+    ProtocolError,
+)
 from codespec.speculators.draft import RequestInfo
 from codespec.speculators.registry import make_proposer
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from codespec.daemon import models
-from codespec.daemon.prompts import FimTokens, find_fim, stop_token_ids
-from codespec.daemon.runner import HFRunner, Runner
+from codespec.daemon.engine import lean, models
+from codespec.daemon.engine.runner import HFRunner, Runner
+from codespec.daemon.prompts.fim import FimTokens, find_fim, stop_token_ids
 from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 from codespec.speculators.verify import verify
@@ -131,7 +131,7 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> str:
-    """The folder to load for ``model`` (see :func:`codespec.daemon.models.resolve`)."""
+    """The folder to load for ``model`` (see :func:`codespec.daemon.engine.models.resolve`)."""
     try:
         return str(models.resolve(model))
     except models.ModelError as exc:
@@ -152,8 +152,7 @@ def load_runner(
     if runner not in ("auto", "lean", "hf"):
         raise ModelLoadError(f"unknown runner {runner!r} (auto, lean or hf)")
     if runner in ("auto", "lean"):
-        lean = _lean_module()
-        if lean is not None and lean.supports(config):
+        if lean.supports(config):
             try:
                 r = lean.LeanRunner.from_pretrained(
                     path, device=str(device), dtype=dtype, max_length=max_length
@@ -172,16 +171,6 @@ def load_runner(
     except Exception as exc:
         raise ModelLoadError(f"cannot load {path}: {_one_line(exc)}") from exc
     return HFRunner(model.to(device), max_length=max_length), config
-
-
-def _lean_module():
-    import importlib.util
-
-    if importlib.util.find_spec("codespec.daemon.runner_lean") is None:
-        return None
-    from codespec.daemon import runner_lean
-
-    return runner_lean
 
 
 def _one_line(exc: BaseException) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon.protocol import (
+from codespec.daemon.service.protocol import (
     BAD_PARAMS,
     OVERLOADED,
     STALE_VERSION,

@@ -6,7 +6,7 @@ connection loop (frames in, frames out, per-connection in-flight requests,
 disconnect cancels them), the method handlers, and shutdown (SIGTERM: stop
 accepting, cancel, save the n-gram index, remove the socket file).
 
-Handlers are thin: check params (:class:`~codespec.daemon.protocol.Params`),
+Handlers are thin: check params (:class:`~codespec.daemon.service.protocol.Params`),
 get the document, call the core (:mod:`.completion`, :mod:`.scheduler`,
 :mod:`.documents`, :mod:`.workspace`), convert the result. The request's
 state-dependent part (document lookup, version check, prompt) runs when its
@@ -32,11 +32,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon import completion, cpu_gemm, crossfile
 from codespec.daemon.config import Config
-from codespec.daemon.documents import DocumentStore
-from codespec.daemon.engine import GenParams
-from codespec.daemon.protocol import (
+from codespec.daemon.engine import cpu_gemm
+from codespec.daemon.engine.engine import GenParams
+from codespec.daemon.prompts import completion, crossfile
+from codespec.daemon.service.documents import DocumentStore
+from codespec.daemon.service.protocol import (
     BAD_PARAMS,
     CANCELLED,
     ERROR_CODES,
@@ -55,8 +56,8 @@ from codespec.daemon.protocol import (
     request_id,
     unpack_body,
 )
-from codespec.daemon.scheduler import Job, JobResult, LockedIndex, Scheduler
-from codespec.daemon.workspace import Workspace
+from codespec.daemon.service.scheduler import Job, JobResult, LockedIndex, Scheduler
+from codespec.daemon.service.workspace import Workspace
 from codespec.ngram_index.positions import PositionError
 from codespec.speculators.policy import summary as policy_summary
 from codespec.speculators.registry import names as proposer_names
@@ -169,7 +170,7 @@ class Server:
     async def start(self) -> None:
         claim_socket_path(self.socket_path)  # before the model loads: a second serve fails fast
         if self.engine is None:
-            from codespec.daemon.engine import Engine
+            from codespec.daemon.engine.engine import Engine
 
             cfg = self.config
             self.engine = await asyncio.to_thread(Engine, cfg.model, cfg.device, cfg.runner)

@@ -1,0 +1,2 @@
+"""``codespec serve``: the socket daemon (connections, handlers, scheduler, documents,
+workspace). The model work it schedules runs in :mod:`codespec.daemon.engine`."""

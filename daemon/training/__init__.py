@@ -1,0 +1,1 @@
+"""Training speculator weights for a model: ``codespec train-eagle`` (and its data)."""
