@@ -151,6 +151,10 @@ class StepResult:
     # learn from the target (lookahead's Jacobi window, EAGLE's head) read them here.
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    # The verify forward's wall time (ms, the verification included) and the number of
+    # tokens it fed: what the policy's cost model learns from.
+    forward_ms: float = 0.0
+    forward_tokens: int = 0
 
     @property
     def accepted_len(self) -> int:

@@ -444,7 +444,8 @@ class Engine:
             stats.target_forwards += 1
             stats.decode_steps += 1
             accepted, bonus = verify(draft, fwd.logits, params.temperature, params.top_p, gen)
-            self.costs.add(len(ids), (time.perf_counter() - t_fwd) * 1000)
+            fwd_ms = (time.perf_counter() - t_fwd) * 1000
+            self.costs.add(len(ids), fwd_ms)
             kept = [0] + [a + 1 for a in accepted]
             base = self.runner.length - len(ids)
             self.runner.keep(kept)
@@ -472,6 +473,8 @@ class Engine:
                         list(new_tokens),
                         logits=fwd.logits,
                         hidden=fwd.hidden,
+                        forward_ms=fwd_ms,
+                        forward_tokens=len(ids),
                     )
                 )
 
