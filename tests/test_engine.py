@@ -6,13 +6,15 @@ import pytest
 import torch
 
 from codespec.daemon.engine.engine import Engine, GenParams, ModelLoadError
+from codespec.daemon.text.tracker import TextTracker
 from conftest import heldout_prompts
 from helpers import ScriptedProposer
 
 
 def run(engine, prompt, **kw):
-    text, stats = engine.generate(prompt, GenParams(**kw))
-    return text, stats
+    """The generated text and the stats."""
+    ids, stats = engine.generate(prompt, GenParams(**kw))
+    return engine.decode(ids), stats
 
 
 def test_prefix_reuse_gives_the_same_output(engine):
@@ -33,10 +35,10 @@ def test_prefix_reuse_logits_match_fresh_prefill(engine):
     a = engine.encode("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
     engine.reset_cache()
     run(engine, a, max_tokens=8)
-    logits_reused, common = engine._prefill([*a[:-3], a[-1]])
+    logits_reused, common = engine.prefill([*a[:-3], a[-1]])
     assert common == len(a) - 3
     engine.reset_cache()
-    logits_fresh, _ = engine._prefill([*a[:-3], a[-1]])
+    logits_fresh, _ = engine.prefill([*a[:-3], a[-1]])
     assert torch.allclose(logits_reused, logits_fresh, atol=1e-4)
 
 
@@ -46,14 +48,16 @@ def test_stop_string_truncates_and_streams_consistently(engine):
     middle = len(full) // 2
     stop = full[middle : middle + 3]  # a stop string the model is sure to produce
     assert len(stop) == 3
+    tracker = TextTracker(engine.tokenizer.backend_tokenizer, prompt, [stop])
     pieces = []
-    stats = None
-    for d in engine.stream(prompt, GenParams(max_tokens=24, stop=[stop])):
-        pieces.append(d.text)
-        stats = d.stats
+    for d in engine.stream(prompt, GenParams(max_tokens=24)):
+        piece, hit = tracker.feed([t for t in d.token_ids if t not in engine.stop_ids], d.done)
+        pieces.append(piece)
+        if hit:
+            break
     text = "".join(pieces)
-    assert text == full[: full.index(stop)]
-    assert stats is not None and stats.finish_reason == "stop"
+    assert hit and text == tracker.text == full[: full.index(stop)]
+    assert 0 < tracker.tokens_used <= 24
 
 
 def test_max_tokens_and_stream_concatenation(engine):
@@ -62,8 +66,8 @@ def test_max_tokens_and_stream_concatenation(engine):
     assert deltas[-1].done
     stats = deltas[-1].stats
     assert stats.tokens <= 7
-    text, _ = run(engine, prompt, max_tokens=7)
-    assert "".join(d.text for d in deltas) == text
+    ids, _ = engine.generate(prompt, GenParams(max_tokens=7))
+    assert [t for d in deltas for t in d.token_ids if t not in engine.stop_ids] == ids
     assert stats.target_forwards == len(deltas)
 
 
@@ -71,9 +75,31 @@ def test_seeded_sampling_is_reproducible(engine):
     prompt = engine.encode("def parse(line):\n")
     a, _ = run(engine, prompt, max_tokens=12, temperature=0.9, seed=11)
     b, _ = run(engine, prompt, max_tokens=12, temperature=0.9, seed=11)
-    c, _ = run(engine, prompt, max_tokens=12, temperature=0.9, seed=12, top_p=0.5)
+    greedy, _ = run(engine, prompt, max_tokens=12)
     assert a == b
-    assert isinstance(c, str)
+    # top-p keeps the smallest set of tokens whose mass reaches p: a tiny p keeps only the
+    # most likely token, so sampling at any temperature is greedy decoding
+    for seed in (1, 2, 3):
+        c, _ = run(engine, prompt, max_tokens=12, temperature=1.5, seed=seed, top_p=1e-6)
+        assert c == greedy
+
+
+def test_top_p_samples_stay_in_the_nucleus(engine):
+    """One sampled step, 200 seeds: every token lies in the top-p set of the prompt's
+    next-token distribution at that temperature (and more than one token is seen)."""
+    prompt = engine.encode("import ")
+    engine.reset_cache()
+    logits, _ = engine.prefill(prompt)
+    probs = torch.softmax(logits[0] / 0.9, -1)
+    order = probs.argsort(descending=True)
+    mass = probs[order].cumsum(0)
+    nucleus = set(order[: int((mass < 0.6).sum()) + 1].tolist())
+    seen = set()
+    for seed in range(200):
+        ids, _ = engine.generate(prompt, GenParams(max_tokens=1, temperature=0.9, top_p=0.6,
+                                                   seed=seed))  # fmt: skip
+        seen.add(ids[0])
+    assert seen <= nucleus and len(seen) > 1
 
 
 def test_bad_requests_raise_value_errors(engine):
@@ -179,8 +205,8 @@ def test_cache_slots_keep_two_documents_warm(engine):
 
 def test_single_slot_engine_refeeds(engine):
     """With one slot the second document evicts the first (the control for the test above)."""
-    slots = engine.max_slots
-    engine.max_slots = 1
+    slots = engine.slots.max_slots
+    engine.slots.max_slots = 1
     try:
         a = engine.encode("import json\n\n\ndef load(path):\n    with open(path) as fh:\n")
         b = engine.encode("class Stack:\n    def __init__(self):\n        self.items = []\n")
@@ -190,7 +216,43 @@ def test_single_slot_engine_refeeds(engine):
         _, stats = run(engine, a + engine.encode("        pass\n"), max_tokens=4)
         assert stats.cached_tokens < len(a)
     finally:
-        engine.max_slots = slots
+        engine.slots.max_slots = slots
+
+
+def test_the_least_recently_used_slot_is_evicted(engine):
+    """Two slots, three documents A, B, C: C takes A's slot (the least recently used),
+    so B stays cached and A is fed again."""
+    slots = engine.slots.max_slots
+    engine.slots.max_slots = 2
+    docs = [engine.encode(f"def f{k}(x):\n" + "    y = x * 2\n" * (20 + k)) for k in range(3)]
+    try:
+        engine.reset_cache()
+        for d in docs:
+            run(engine, d, max_tokens=2)
+        assert len(engine.slots.idle) == 1
+        _, b = run(engine, docs[1] + engine.encode("    pass\n"), max_tokens=2)
+        _, a = run(engine, docs[0] + engine.encode("    pass\n"), max_tokens=2)
+        assert b.cached_tokens >= len(docs[1])
+        assert a.cached_tokens < len(docs[0]) // 2
+    finally:
+        engine.slots.max_slots = slots
+        engine.reset_cache()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the taps live there)")
+def test_taps_on_cuda():
+    """The tap buffer lives on the runner's device (it was allocated on the CPU)."""
+    from conftest import tiny_llama
+
+    model = tiny_llama().to("cuda")
+    from codespec.daemon.engine.runner import HFRunner
+    from codespec.daemon.engine.slots import CacheSlots
+
+    slots = CacheSlots(HFRunner(model), 2)
+    out = slots.runner.forward([1, 2, 3], taps=(1,))
+    slots.reusable([1, 2, 3], (1,))
+    slots.record_prompt([1, 2, 3], 0, out.hidden)
+    assert slots.prompt_hidden(3).device.type == "cuda"
 
 
 def test_stream_ids_end_at_the_stop_token_even_mid_draft(engine):

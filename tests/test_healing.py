@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codespec.daemon.engine.engine import GenParams, TextTracker
+from codespec.daemon.engine.engine import GenParams
 from codespec.daemon.text.healing import Healing, TokenTexts, constraint, heal_prompt
+from codespec.daemon.text.tracker import TextTracker
 from codespec.speculators.registry import make_proposer
 
 
@@ -62,14 +63,16 @@ def test_the_constraint_allows_regrowing_splits_then_frees(engine, texts):
 
 
 def _generate(engine, ids, heal, speculation, max_tokens=12):
-    params = GenParams(max_tokens=max_tokens, constraint=constraint(engine, heal), heal=heal)
+    params = GenParams(max_tokens=max_tokens, constraint=constraint(engine, heal))
     engine.reset_cache()
     proposer = make_proposer(speculation, engine)
+    tracker = TextTracker(engine.tokenizer.backend_tokenizer, ids, skip=heal)
     out = []
     text = ""
-    for delta in engine.stream(ids, params, proposer):
-        out += delta.token_ids
-        text += delta.text
+    for step in engine.stream(ids, params, proposer):
+        new = [t for t in step.token_ids if t not in engine.stop_ids]
+        out += new
+        text += tracker.feed(new, final=step.done)[0]
     return out, text
 
 
@@ -95,26 +98,57 @@ def test_the_first_token_is_forced_even_when_the_model_prefers_another(engine, t
     assert (texts.text[out[0]] or "").startswith(" ")
 
 
-def test_text_tracker_skips_the_healed_text_and_stops_at_the_next_line():
-    decode = "".join
-    t = TextTracker(lambda ids: decode(chr(i) for i in ids), [], skip="\n", stop_lines=["b = 2"])
-    typed = [ord(c) for c in "\n    a = 1\n    b = 2\n    c = 3\n"]
-    text, hit = t.update(typed, final=False)
-    assert hit and t.text == "    a = 1" and text == "    a = 1"
+def feed_text(tracker: TextTracker, engine, text: str) -> tuple[str, bool]:
+    """Feed ``text``'s tokens one step at a time: the pieces sent, whether a rule hit."""
+    sent = ""
+    for tok in engine.encode(text):
+        piece, hit = tracker.feed([tok])
+        sent += piece
+        if hit:
+            return sent, True
+    return sent + tracker.feed([], final=True)[0], False
+
+
+def test_text_tracker_skips_the_healed_text_and_stops_at_the_next_line(engine):
+    tok = engine.tokenizer.backend_tokenizer
+    t = TextTracker(tok, skip="\n", stop_lines=["b = 2"])
+    sent, hit = feed_text(t, engine, "\n    a = 1\n    b = 2\n    c = 3\n")
+    assert hit and t.text == "    a = 1" and sent == "    a = 1"
     assert not t.looped
 
 
-def test_text_tracker_cuts_loops():
-    t = TextTracker(lambda ids: "".join(chr(i) for i in ids), [], cut_loops=True)
+def test_text_tracker_cuts_loops(engine):
+    tok = engine.tokenizer.backend_tokenizer
     looping = "x = 1\nprint(x)\nprint(x)\nprint(x)\nprint(x)\n"
-    _, hit = t.update([ord(c) for c in looping], final=False)
-    assert hit and t.looped and t.text == "x = 1\nprint(x)\nprint(x)"
-    t = TextTracker(lambda ids: "".join(chr(i) for i in ids), [], cut_loops=True)
-    _, hit = t.update([ord(c) for c in "a = 1\nself.strict_strict_strict_strict_strict\n"], False)
+    t = TextTracker(tok, cut_loops=True)
+    sent, hit = feed_text(t, engine, looping)
+    assert hit and t.looped and t.text == sent == "x = 1\nprint(x)\nprint(x)"
+    t = TextTracker(tok, cut_loops=True)
+    _, hit = feed_text(t, engine, "a = 1\nself.strict_strict_strict_strict_strict\n")
     assert hit and t.text == "a = 1"
-    t = TextTracker(lambda ids: "".join(chr(i) for i in ids), [], cut_loops=False)
-    _, hit = t.update([ord(c) for c in looping], final=False)
+    t = TextTracker(tok, cut_loops=True)  # indentation repeats, but is no loop
+    _, hit = feed_text(t, engine, "if x:\n                y = 1\n")
     assert not hit
+    t = TextTracker(tok, cut_loops=False)
+    _, hit = feed_text(t, engine, looping)
+    assert not hit and t.text == looping
+
+
+def test_text_tracker_holds_back_what_a_rule_may_take(engine):
+    """Stop-string prefixes, and (with line rules) the last line and its line break:
+    the pieces sent always add up to the finished text."""
+    tok = engine.tokenizer.backend_tokenizer
+    t = TextTracker(tok, stop=["END"])
+    sent, hit = feed_text(t, engine, "aENxEND!")
+    assert hit and sent == t.text == "aENx"
+    t = TextTracker(tok, lead="def f():\n", region=(0, 1), trailing="\n")
+    sent, hit = feed_text(t, engine, "    return 1\n\n\ndef g():\n")
+    assert hit and sent == t.text == "def f():\n    return 1\n"
+    t = TextTracker(tok)
+    ids = engine.encode("é中🚀")
+    pieces = [t.feed([i])[0] for i in ids]  # a character split over tokens is held back
+    assert "".join(pieces) == "é中🚀" and "\ufffd" not in "".join(pieces)
+    assert t.tokens_used == 0
 
 
 def test_the_constraint_mask_is_boolean_over_the_vocabulary(engine, texts):

@@ -200,7 +200,6 @@ def run_engine(
         temperature=temperature,
         seed=seed,
         constraint=constraint(engine, heal),
-        heal=heal,
     )
     ids, stats, ms = decode_once(engine, prompt, params, proposer, info)
     return Run(stats.tokens, stats.target_forwards, ms, ids, stats.ttft_ms)

@@ -32,7 +32,7 @@ from datetime import date
 from typing import Any
 
 from codespec.daemon.bench.methods import add_engine_args, load_workload, open_engine
-from codespec.daemon.engine.engine import repeats_a_piece
+from codespec.daemon.text.tracker import repeats_a_piece
 
 
 def loops(text: str) -> bool:
@@ -80,25 +80,26 @@ class Runner:
         from codespec.daemon.engine.engine import GenParams
         from codespec.daemon.prompts import completion
         from codespec.daemon.service.documents import DocumentStore
+        from codespec.daemon.service.scheduler import prepared_job
 
         store = DocumentStore()
         for d in reversed(item.get("documents", [])[1:]):  # the first listed is the newest
             store.open(d["uri"], d["text"], 1, "python")
         doc = store.open(item["uri"], item["prefix"] + item.get("suffix", ""), 1, "python")
         max_tokens = int(item.get("max_tokens", 64)) if multiline else 48
-        params = GenParams(max_tokens=max_tokens)
-        job = completion.complete_job(
+        prep = completion.prepare_complete(
             self.engine,
             store,
             self.snippets,
             doc,
             len(item["prefix"]),
-            params,
+            max_tokens,
             multiline,
             self.context_tokens,
             variant,
         )
-        job.speculation = self.speculation
+        job = prepared_job(prep, GenParams(max_tokens=max_tokens), self.speculation,
+                           "complete", item["uri"])  # fmt: skip
         result = self.scheduler.submit(job).result()
         self.last_cut = result.finish_reason == "loop"
         return completion.shape(result.text, multiline, result.finish_reason)

@@ -18,12 +18,12 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon.engine.engine import region_shape
 from codespec.daemon.prompts import crossfile
 from codespec.daemon.prompts.fim import fim_prompt
 from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError
 from codespec.daemon.text import healing
 from codespec.daemon.text.healing import heal_prompt
+from codespec.daemon.text.tracker import TextTracker, region_shape
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
 SUFFIX_TOKENS = 128  # the most suffix tokens a prompt carries (all re-fed per keystroke)
@@ -184,24 +184,34 @@ def complete_prompt(
 CONTEXTS = ("none", "header", "crossfile")
 
 
-def complete_job(
+@dataclass
+class Prepared:
+    """A request ready for the scheduler: the prompt, the healing constraint for the
+    engine, the tracker that reads the output back as text, the draft text's ids."""
+
+    prompt_ids: list[int]
+    constraint: Any
+    tracker: TextTracker
+    draft_ids: list[int] | None = None
+    mode: str = ""
+
+
+def prepare_complete(
     engine: Any,
     documents: Any,
     snippets: crossfile.SnippetCache,
     doc: Any,
     offset: int,
-    params: Any,
+    max_tokens: int,
     multiline: bool,
     context_tokens: int,
-    context: str = "crossfile",
-) -> Any:
-    """The scheduler job for a completion at ``offset`` of the open document ``doc``:
-    the prompt, the healing constraint, the stop rules. ``context``: ``none`` (the
-    prefix alone), ``header`` (under a ``<file_sep>path`` line) or ``crossfile``
-    (after snippets of the other recent ``documents``). ``params`` (a ``GenParams``)
-    is completed in place: single-line completions stop at a line break."""
-    from codespec.daemon.service.scheduler import Job
-
+    context: str = "none",
+    stop: list[str] | None = None,
+) -> Prepared:
+    """A completion at ``offset`` of the open document ``doc``: the prompt, the healing
+    constraint, the stop rules (single-line completions stop at a line break).
+    ``context``: ``none`` (the prefix alone), ``header`` (under a ``<file_sep>path``
+    line) or ``crossfile`` (after snippets of the other recent ``documents``)."""
     if context not in CONTEXTS:
         raise ValueError(f"context must be one of {', '.join(CONTEXTS)}")
     picked: list[crossfile.Snippet] = []
@@ -213,31 +223,40 @@ def complete_job(
         engine,
         doc.text,
         offset,
-        params.max_tokens,
+        max_tokens,
         context_tokens,
         uri=doc.uri if context != "none" else "",
         snippets=picked,
     )
-    if not multiline:
-        params.stop = ["\n", "\r", *params.stop]
-    params.constraint = healing.constraint(engine, cp.heal)
-    job = Job(cp.prompt_ids, params, kind="complete", uri=doc.uri)
-    job.heal, job.stop_lines, job.first_line_counts = cp.heal, cp.stop_lines, cp.first_line_counts
-    return job
+    stops = list(stop or []) if multiline else ["\n", "\r", *(stop or [])]
+    tracker = TextTracker(
+        engine.tokenizer.backend_tokenizer,
+        cp.prompt_ids,
+        stops,
+        skip=cp.heal,
+        stop_lines=cp.stop_lines,
+        first_line_counts=cp.first_line_counts,
+        cut_loops=True,
+    )
+    return Prepared(cp.prompt_ids, healing.constraint(engine, cp.heal), tracker)
 
 
-def edit_job(engine: Any, ep: EditPrompt, params: Any, uri: str, old: str = "") -> Any:
-    """The scheduler job for an edit prompt; ``params`` (a ``GenParams``) gets the healing
-    constraint. A ``continue`` rewrite ends with the line breaks ``old`` ended with (it
-    is cut where the next code starts, so blank lines before that are not the region's)."""
-    from codespec.daemon.service.scheduler import Job
-
-    params.constraint = healing.constraint(engine, ep.heal)
-    job = Job(ep.prompt_ids, params, kind="edit", uri=uri, draft_text_ids=ep.draft_ids)
-    job.heal, job.lead, job.stop_lines, job.region = ep.heal, ep.lead, ep.stop_lines, ep.region
-    if ep.mode == "continue":
-        job.trailing = old[len(old.rstrip("\r\n")) :]
-    return job
+def prepare_edit(engine: Any, ep: EditPrompt, old: str, stop: list[str] | None = None) -> Prepared:
+    """An edit prompt's request. A ``continue`` rewrite ends with the line breaks ``old``
+    ended with (it is cut where the next code starts, so blank lines before that are
+    not the region's)."""
+    tracker = TextTracker(
+        engine.tokenizer.backend_tokenizer,
+        ep.prompt_ids,
+        stop or [],
+        skip=ep.heal,
+        lead=ep.lead,
+        stop_lines=ep.stop_lines,
+        region=ep.region,
+        trailing=old[len(old.rstrip("\r\n")) :] if ep.mode == "continue" else None,
+    )
+    constraint = healing.constraint(engine, ep.heal)
+    return Prepared(ep.prompt_ids, constraint, tracker, ep.draft_ids, ep.mode)
 
 
 def _next_lines(after: str) -> tuple[str, ...]:

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from codespec.daemon.engine.engine import GenParams, TextTracker
+from codespec.daemon.engine.engine import GenParams, Stats
 from codespec.daemon.service.protocol import (
     BAD_PARAMS,
     CANCELLED,
@@ -51,6 +51,7 @@ from codespec.daemon.service.protocol import (
     OVERLOADED,
     ProtocolError,
 )
+from codespec.daemon.text.tracker import TextTracker
 from codespec.speculators.draft import RequestInfo
 from codespec.speculators.registry import make_proposer
 
@@ -92,7 +93,13 @@ class JobResult:
 
 @dataclass
 class Job:
-    """One request for the worker. ``on_delta`` runs on the worker thread."""
+    """One request for the worker. ``on_delta`` runs on the worker thread.
+
+    ``tracker`` reads the output back as text (stop strings, healing's skipped text,
+    stop lines...); whoever builds the job and knows the prompt sets it up
+    (:mod:`codespec.daemon.prompts.completion`), else the worker makes a plain one
+    with ``stop``.
+    """
 
     prompt_ids: list[int]
     params: GenParams
@@ -100,25 +107,26 @@ class Job:
     kind: str = "generate"
     uri: str | None = None
     draft_text_ids: list[int] | None = None
-    # How the output is read back (see completion.CompletionPrompt): healed text the
-    # output starts with, and the lines that end a completion.
-    heal: str = ""
-    lead: str = ""
-    stop_lines: tuple[str, ...] = ()
-    first_line_counts: bool = False
-    region: tuple[int, int] | None = None
-    trailing: str | None = None
+    stop: list[str] = field(default_factory=list)
+    tracker: TextTracker | None = None
     on_delta: Callable[[str], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     # progress, owned by the worker
     out_ids: list[int] = field(default_factory=list)
-    tracker: TextTracker | None = None
     submitted: float = field(default_factory=time.perf_counter)
     started: float = 0.0
     first_delta: float = 0.0
     turns: int = 0
-    totals: dict[str, Any] = field(default_factory=dict)
+    speculation_used: str = ""
+    totals: Stats = field(default_factory=Stats)
+
+
+def prepared_job(prep: Any, params: GenParams, speculation: str, kind: str, uri: str) -> Job:
+    """A job for a request :mod:`codespec.daemon.prompts.completion` prepared."""
+    params.constraint = prep.constraint
+    return Job(prep.prompt_ids, params, speculation, kind, uri, prep.draft_ids,
+               tracker=prep.tracker)  # fmt: skip
 
 
 def speculation_policy(requested: str, max_draft: int, active: int, cfg: Any) -> tuple[str, int]:
@@ -179,17 +187,9 @@ class Scheduler:
                 raise ProtocolError(CANCELLED, "the daemon is shutting down")
             if self._active_locked() >= self.max_queue:
                 raise ProtocolError(OVERLOADED, f"{self.max_queue} requests are in flight already")
-            job.tracker = TextTracker(
-                self.engine.decode,
-                job.params.stop,
-                skip=job.heal,
-                stop_lines=job.stop_lines,
-                first_line_counts=job.first_line_counts,
-                cut_loops=job.kind == "complete",
-                lead=job.lead,
-                region=job.region,
-                trailing=job.trailing,
-            )
+            if job.tracker is None:
+                tok = self.engine.tokenizer.backend_tokenizer
+                job.tracker = TextTracker(tok, job.prompt_ids, job.stop)
             self._queue.append(job)
             self._cond.notify_all()
         return job.future
@@ -274,119 +274,111 @@ class Scheduler:
         if job.cancel.is_set():
             self._finish(job, "cancelled")
             return
-        remaining = job.params.max_tokens - len(job.out_ids)
-        if remaining <= 0:
+        if job.params.max_tokens - len(job.out_ids) <= 0:
             self._finish(job, "length")
             return
-        with self._cond:
-            active = self._active_locked()
-        name, max_draft = speculation_policy(
-            job.speculation, job.params.max_draft, active, self.cfg
-        )
         try:
-            proposer = make_proposer(name, self.engine, self.index)
+            proposer, params, info = self._plan(job)
         except (ValueError, LookupError) as exc:  # "eagle" with no head: the request's fault
             self._finish(job, error=ProtocolError(BAD_PARAMS, str(exc)))
             return
-        prompt = job.prompt_ids + job.out_ids
-        params = GenParams(
-            max_tokens=remaining,
-            temperature=job.params.temperature,
-            top_p=job.params.top_p,
-            seed=job.params.seed,
-            stop=job.params.stop,
-            max_draft=max(1, max_draft),
-            constraint=_resumed(job.params.constraint, list(job.out_ids)),
-            heal="" if job.out_ids else job.heal,
-        )
-        info = RequestInfo(
-            prompt_ids=prompt,
-            uri=job.uri,
-            temperature=params.temperature,
-            max_tokens=remaining,
-            kind=job.kind,
-            draft_text_ids=job.draft_text_ids,
-        )
-        if not job.started:
-            job.started = time.perf_counter()
+        job.started = job.started or time.perf_counter()
         job.turns += 1
-        job.totals.setdefault("speculation", name)
-        if name == "off" and job.speculation != "off":
-            job.totals["speculation"] = "off (busy)"
-        assert job.tracker is not None
-        stop_ids = self.engine.stop_ids
-        finish = ""
-        stats = None
         t0 = time.perf_counter()
-        steps = 0
         with self.engine.lock:
             try:
-                gen = self.engine.stream(prompt, params, proposer, info, job.cancel)
-            except ValueError as exc:
-                self._finish(job, error=ProtocolError(BAD_PARAMS, str(exc)))
-                return
-            try:
-                for delta in gen:
-                    stats = delta.stats
-                    for tok in delta.token_ids:
-                        if tok in stop_ids or len(job.out_ids) >= job.params.max_tokens:
-                            break
-                        job.out_ids.append(tok)
-                    text, hit = job.tracker.update(job.out_ids, final=delta.done)
-                    if hit:
-                        finish = "loop" if job.tracker.looped else "stop"
-                    elif delta.done:
-                        finish = delta.stats.finish_reason
-                    if text and not job.first_delta:
-                        job.first_delta = time.perf_counter()
-                    if text and job.on_delta is not None and not job.cancel.is_set():
-                        job.on_delta(text)
-                    if finish:
-                        break
-                    steps += 1
-                    decode_ms = (time.perf_counter() - t0) * 1000 - delta.stats.prefill_ms
-                    if (
-                        steps >= self.cfg.quantum_steps
-                        and decode_ms >= SWITCH_COST_RATIO * delta.stats.prefill_ms
-                        and job.tracker.clean_cut
-                        and self._others_waiting()
-                    ):
-                        break
-            except ValueError as exc:  # the context is full
+                finish, stats = self._decode(job, proposer, params, info)
+            except ValueError as exc:  # the prompt does not fit, or the context is full
                 if not job.out_ids:
                     self._finish(job, error=ProtocolError(BAD_PARAMS, str(exc)))
                     return
-                finish = "length"
-            finally:
-                gen.close()
+                finish, stats = "length", None
         self._account(job, stats, time.perf_counter() - t0)
-        if finish:
-            self._finish(job, finish)
-            return
-        if job.cancel.is_set():
-            self._finish(job, "cancelled")
+        if finish or job.cancel.is_set():
+            self._finish(job, finish or "cancelled")
             return
         with self._cond:  # preempted: back of the queue
             self._queue.append(job)
             self._cond.notify_all()
 
-    def _account(self, job: Job, stats: Any, seconds: float) -> None:
+    def _plan(self, job: Job) -> tuple[Any, GenParams, RequestInfo]:
+        """This turn's proposer (speculation backs off under load), parameters and info:
+        the request resumes after what it generated in earlier turns."""
+        with self._cond:
+            active = self._active_locked()
+        name, max_draft = speculation_policy(
+            job.speculation, job.params.max_draft, active, self.cfg
+        )
+        proposer = make_proposer(name, self.engine, self.index)
+        job.speculation_used = job.speculation_used or name
+        if name == "off" and job.speculation != "off":
+            job.speculation_used = "off (busy)"
+        p = job.params
+        remaining = p.max_tokens - len(job.out_ids)
+        params = GenParams(
+            max_tokens=remaining,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            max_draft=max(1, max_draft),
+            constraint=_resumed(p.constraint, list(job.out_ids)),
+        )
+        info = RequestInfo(
+            prompt_ids=job.prompt_ids + job.out_ids,
+            uri=job.uri,
+            temperature=p.temperature,
+            max_tokens=remaining,
+            kind=job.kind,
+            draft_text_ids=job.draft_text_ids,
+        )
+        return proposer, params, info
+
+    def _decode(
+        self, job: Job, proposer: Any, params: GenParams, info: RequestInfo
+    ) -> tuple[str, Stats | None]:
+        """One turn of decoding under the engine lock: ``(finish reason or "" when
+        preempted, the turn's stats)``. Text goes out as it is read back."""
+        assert job.tracker is not None
+        steps, stats = 0, None
+        gen = self.engine.stream(info.prompt_ids, params, proposer, info, job.cancel)
+        try:
+            for step in gen:
+                stats = step.stats
+                ids = [t for t in step.token_ids if t not in self.engine.stop_ids]
+                job.out_ids.extend(ids)
+                text, hit = job.tracker.feed(ids, final=step.done)
+                self._send(job, text)
+                if hit:
+                    return ("loop" if job.tracker.looped else "stop"), stats
+                if step.done:
+                    return step.stats.finish_reason, stats
+                steps += 1
+                decode_ms = stats.total_ms - stats.prefill_ms
+                if (
+                    steps >= self.cfg.quantum_steps
+                    and decode_ms >= SWITCH_COST_RATIO * stats.prefill_ms
+                    and self._others_waiting()
+                ):
+                    return "", stats
+        finally:
+            gen.close()
+        return "", stats
+
+    def _send(self, job: Job, text: str) -> None:
+        if not text:
+            return
+        job.first_delta = job.first_delta or time.perf_counter()
+        if job.on_delta is not None and not job.cancel.is_set():
+            job.on_delta(text)
+
+    def _account(self, job: Job, stats: Stats | None, seconds: float) -> None:
         self.busy_s += seconds
         if stats is None:
             return
-        t = job.totals
-        if "prompt_tokens" not in t:
-            t["prompt_tokens"] = stats.prompt_tokens
-            t["cached_tokens"] = stats.cached_tokens
-        for key in ("target_forwards", "decode_steps"):
-            t[key] = t.get(key, 0) + getattr(stats, key)
-        t["prefill_ms"] = t.get("prefill_ms", 0.0) + stats.prefill_ms
-        for name, src in (("drafted", stats.drafted), ("accepted", stats.accepted)):
-            mine = t.setdefault(name, {})
-            total = self.drafted if name == "drafted" else self.accepted
-            for k, v in src.items():
+        job.totals.add(stats)
+        for mine, theirs in ((self.drafted, stats.drafted), (self.accepted, stats.accepted)):
+            for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v
-                total[k] = total.get(k, 0) + v
 
     def _finish(self, job: Job, finish: str = "", error: ProtocolError | None = None) -> None:
         with self._cond:
@@ -403,36 +395,25 @@ class Scheduler:
                 job.future.set_exception(error)  # the waiter may have gone (cancelled)
             return
         assert job.tracker is not None
-        rest, _ = job.tracker.update(job.out_ids, final=True)
-        if rest and job.on_delta is not None:
-            job.on_delta(rest)
+        rest, _ = job.tracker.feed([], final=True)
+        self._send(job, rest)
+        self.served += 1
+        self.tokens += len(job.out_ids)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            job.future.set_result(JobResult(job.tracker.text, self._stats(job, finish), finish))
+
+    def _stats(self, job: Job, finish: str) -> dict[str, Any]:
+        """The request's stats as the client gets them (the engine's, summed over turns,
+        with the times seen from the queue)."""
         now = time.perf_counter()
         t = job.totals
-        tokens = len(job.out_ids)
-        forwards = t.get("target_forwards", 0)
-        steps = t.get("decode_steps", 0)
-        total_ms = (now - job.submitted) * 1000
-        stats = {
-            "prompt_tokens": t.get("prompt_tokens", len(job.prompt_ids)),
-            "cached_tokens": t.get("cached_tokens", 0),
-            "tokens": tokens,
-            "target_forwards": forwards,
-            "tokens_per_forward": round(tokens / forwards, 3) if forwards else 0.0,
-            "mean_accepted_no_bonus": round(sum(t.get("accepted", {}).values()) / steps, 3)
-            if steps
-            else 0.0,
-            "drafted": t.get("drafted", {}),
-            "accepted": t.get("accepted", {}),
-            "prefill_ms": round(t.get("prefill_ms", 0.0), 2),
+        t.tokens = len(job.out_ids)
+        t.total_ms = (now - job.submitted) * 1000
+        t.ttft_ms = ((job.first_delta or now) - job.submitted) * 1000
+        t.finish_reason = finish
+        return {
+            **t.as_dict(),
             "queue_ms": round(((job.started or now) - job.submitted) * 1000, 2),
-            "ttft_ms": round(((job.first_delta or now) - job.submitted) * 1000, 2),
-            "total_ms": round(total_ms, 2),
-            "tokens_per_s": round(1000 * tokens / total_ms, 1) if total_ms > 0 else 0.0,
             "turns": job.turns,
-            "speculation": t.get("speculation", job.speculation),
-            "finish_reason": finish,
+            "speculation": job.speculation_used or job.speculation,
         }
-        self.served += 1
-        self.tokens += tokens
-        with contextlib.suppress(concurrent.futures.InvalidStateError):
-            job.future.set_result(JobResult(job.tracker.text, stats, finish))

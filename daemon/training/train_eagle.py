@@ -435,7 +435,7 @@ def prepare(
 ) -> tuple[str, Path, Any, list[str], Target]:
     """What every head trainer starts from: torch threads set, the target's folder, the
     output folder (created), the target's tokenizer, the training texts, the target."""
-    from codespec.daemon.engine.engine import resolve_model_path
+    from codespec.daemon.engine.loading import resolve_model_path
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -1,0 +1,78 @@
+"""Loading a model: the device, the folder ``--model`` names, the runner over it.
+
+Owns :class:`ModelLoadError` (one line for the user) and the choice of runner
+(the lean runner where it supports the architecture, else Hugging Face's). Knows
+nothing about decoding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from codespec.daemon.engine import lean, models
+from codespec.daemon.engine.runner import HFRunner, Runner
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or read; the message is one line for the user."""
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for, but CUDA is not available")
+    if device not in ("cpu", "cuda"):
+        raise ModelLoadError(f"unknown device {device!r} (cpu, cuda or auto)")
+    return torch.device(device)
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> str:
+    """The folder to load for ``model`` (see :func:`codespec.daemon.engine.models.resolve`)."""
+    try:
+        return str(models.resolve(model))
+    except models.ModelError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def load_runner(
+    path: str, device: torch.device, runner: str = "auto", max_length: int | None = None
+) -> tuple[Runner, object]:
+    """Return (runner, HF config). ``runner`` is auto | lean | hf."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the model config in {path}: {one_line(exc)}") from exc
+    if runner not in ("auto", "lean", "hf"):
+        raise ModelLoadError(f"unknown runner {runner!r} (auto, lean or hf)")
+    if runner in ("auto", "lean"):
+        if lean.supports(config):
+            try:
+                r = lean.LeanRunner.from_pretrained(
+                    path, device=str(device), dtype=dtype, max_length=max_length
+                )
+                # An fp16 / bf16 checkpoint's weights as 16-bit panels: the same outputs
+                # bit for bit, half the bytes each forward streams (a no-op without the
+                # kernel).
+                r.half_panels()
+            except Exception as exc:
+                raise ModelLoadError(f"cannot load {path}: {one_line(exc)}") from exc
+            return r, config
+        if runner == "lean":
+            raise ModelLoadError(f"the lean runner does not support {config.model_type!r}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load {path}: {one_line(exc)}") from exc
+    return HFRunner(model.to(device), max_length=max_length), config
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (for one-line errors)."""
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

@@ -1,0 +1,146 @@
+"""KV-cache slots: which cached prefix a prompt reuses, and the taps kept beside it.
+
+Owns the engine's caches as token ids: the active cache (in the runner) mirrored
+token for token by :attr:`CacheSlots.cached_ids`, the idle caches parked beside it
+(so a request on another document does not evict the active one), the hidden-state
+taps recorded per cached position (EAGLE reads the prompt's), and the choice of slot
+for a prompt. Must not touch: sampling, proposers, text.
+
+A slot fits a prompt when reusing it drops at most half of what it holds (or it
+shares 256 tokens or more). When none fits, the prompt gets a fresh slot while there
+is room, else the least recently used idle one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from codespec.daemon.engine.runner import Runner
+
+
+@dataclass(eq=False)
+class _Slot:
+    """An idle KV cache and the token ids (and taps) it holds."""
+
+    state: object
+    cached_ids: list[int]
+    taps: tuple[int, ...]
+    tap_buf: torch.Tensor | None
+    tap_valid: int
+    used: int
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """Leading tokens ``a`` and ``b`` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _fits(ids: list[int], shared: int) -> bool:
+    """Reusing a cache of ``ids`` that shares ``shared`` tokens loses at most half of it."""
+    return shared >= min(256, len(ids) // 2)
+
+
+class CacheSlots:
+    """The runner's active cache plus up to ``max_slots - 1`` idle ones."""
+
+    def __init__(self, runner: Runner, max_slots: int) -> None:
+        self.runner = runner
+        self.max_slots = max(1, int(max_slots))
+        self.cached_ids: list[int] = []  # mirrors the runner's cache, token for token
+        self.taps: tuple[int, ...] = ()
+        self.tap_buf: torch.Tensor | None = None  # (max_length, len(taps), H)
+        self.tap_valid = 0  # positions [0, tap_valid) of the buffer are filled
+        self.idle: list[_Slot] = []
+        self._clock = 0
+
+    def reset(self) -> None:
+        """Forget every cached prefix, in every slot."""
+        self.runner.reset()
+        self.cached_ids = []
+        self.tap_valid = 0
+        self.idle.clear()
+
+    def pick(self, prompt: list[int]) -> None:
+        """Make the slot sharing the longest prefix with ``prompt`` the active one."""
+        self._clock += 1
+        if self.max_slots == 1:
+            return
+        active = shared_prefix(self.cached_ids, prompt)
+        best, best_n = None, -1
+        for slot in self.idle:
+            n = shared_prefix(slot.cached_ids, prompt)
+            if _fits(slot.cached_ids, n) and n > best_n:
+                best, best_n = slot, n
+        if best is not None and best_n > active:
+            self._swap(best)
+        elif not _fits(self.cached_ids, active):
+            if 1 + len(self.idle) < self.max_slots:
+                self._swap(_Slot(self.runner.new_cache_state(), [], (), None, 0, 0))
+            elif self.idle:
+                self._swap(min(self.idle, key=lambda sl: sl.used))
+                self.runner.reset()
+                self.cached_ids = []
+                self.tap_valid = 0
+
+    def _swap(self, slot: _Slot) -> None:
+        """Park the active cache in an idle slot and activate ``slot``."""
+        if slot in self.idle:
+            self.idle.remove(slot)
+        parked = _Slot(
+            self.runner.cache_state(),
+            self.cached_ids,
+            self.taps,
+            self.tap_buf,
+            self.tap_valid,
+            self._clock,
+        )
+        self.idle.append(parked)
+        self.runner.set_cache_state(slot.state)
+        self.cached_ids = slot.cached_ids
+        self.taps, self.tap_buf, self.tap_valid = slot.taps, slot.tap_buf, slot.tap_valid
+
+    def reusable(self, prompt: list[int], taps: tuple[int, ...]) -> int:
+        """Leading prompt tokens whose KV (and, with ``taps``, hidden states) are cached;
+        never the whole prompt (its last token must be fed to get logits)."""
+        limit = min(len(self.cached_ids), len(prompt) - 1)
+        if taps:
+            if taps != self.taps or self.tap_buf is None:
+                self.taps, self.tap_buf, self.tap_valid = taps, None, 0
+            limit = min(limit, self.tap_valid)
+        return shared_prefix(self.cached_ids[:limit], prompt)
+
+    def record_prompt(self, prompt: list[int], common: int, hidden: torch.Tensor | None) -> None:
+        """The prompt is now cached; ``hidden``: the taps of ``prompt[common:]``."""
+        self.cached_ids = list(prompt)
+        if hidden is None:
+            self.tap_valid = min(self.tap_valid, common)
+            return
+        if self.tap_buf is None:
+            shape = (self.runner.max_length, len(self.taps), hidden.shape[-1])
+            self.tap_buf = torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+        self.tap_buf[common : len(prompt)] = hidden
+        self.tap_valid = len(prompt)
+
+    def record_step(self, base: int, tokens: list[int], hidden: torch.Tensor | None,
+                    rows: list[int]) -> None:  # fmt: skip
+        """A verify step kept ``tokens`` after position ``base``; ``rows`` of ``hidden``
+        (the forward's taps) are theirs."""
+        self.cached_ids.extend(tokens)
+        if hidden is None or self.tap_buf is None or self.tap_valid != base:
+            self.tap_valid = min(self.tap_valid, base)
+            return
+        self.tap_buf[base : base + len(rows)] = hidden[rows]
+        self.tap_valid = base + len(rows)
+
+    def prompt_hidden(self, n: int) -> torch.Tensor:
+        """Tapped hidden states of the first ``n`` cached positions, ``(n, len(taps), H)``."""
+        if self.tap_buf is None or n > self.tap_valid:
+            raise RuntimeError("no tapped hidden states for those positions")
+        return self.tap_buf[:n]
