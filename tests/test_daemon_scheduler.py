@@ -86,6 +86,27 @@ def test_preempted_request_equals_uninterrupted_greedy(engine, scheduler, monkey
     assert ra.stats["tokens"] == 24
 
 
+@pytest.mark.parametrize(("ratio", "preempted"), [(0.0, True), (1e9, False)])
+def test_the_switch_cost_rule_keeps_a_turn_until_decoding_pays_for_it(
+    engine, scheduler, monkeypatch, ratio, preempted
+):
+    """A turn ends at the quantum only once its decode time reaches SWITCH_COST_RATIO x
+    its prefill time: with the ratio at 0 the long request is preempted by the waiting
+    one; with a ratio no decode time reaches, it runs to its end in one turn although
+    another request waits the whole time."""
+    monkeypatch.setattr("codespec.daemon.service.scheduler.SWITCH_COST_RATIO", ratio)
+    engine.reset_cache()
+    a = Job(engine.encode(PROMPT * 8), GenParams(max_tokens=24), "off")
+    b = Job(engine.encode("class Stack:\n"), GenParams(max_tokens=4), "off")
+    order: list[str] = []
+    fa, fb = scheduler.submit(a), scheduler.submit(b)
+    fa.add_done_callback(lambda _: order.append("long"))
+    fb.add_done_callback(lambda _: order.append("short"))
+    fa.result(60), fb.result(60)
+    assert (a.turns > 1) == preempted
+    assert order == (["short", "long"] if preempted else ["long", "short"])
+
+
 def test_speculation_backs_off_then_switches_off():
     cfg = SimpleNamespace(shorten_at=2, off_at=4)
     assert speculation_policy("auto", 16, 1, cfg) == ("auto", 16)
