@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 
 class CliError(Exception):
@@ -52,10 +53,16 @@ MODEL_HELP = (
 )
 
 
+DEVICES = ["auto", "cpu", "cuda"]
+DEVICE_HELP = "where the model runs (auto: CUDA when present)"
+RUNNERS = ["auto", "lean", "hf"]
+RUNNER_HELP = "lean (codespec's own), hf (transformers) or auto"
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--runner", default="auto", choices=["auto", "lean", "hf"])
+    p.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
+    p.add_argument("--runner", default="auto", choices=RUNNERS, help=RUNNER_HELP)
 
 
 def positive_int(text: str) -> int:
@@ -80,26 +87,13 @@ def non_negative_float(text: str) -> float:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from codespec.daemon.engine.engine import Engine, GenParams
+    from codespec.daemon.text.tracker import TextTracker
     from codespec.speculators.registry import UnknownProposer, make_proposer, names
 
     if args.speculation not in names():
-        raise CliError(
-            str(
-                UnknownProposer(
-                    f"unknown speculation {args.speculation!r}; choose one of {', '.join(names())}"
-                )
-            )
-        )
-    if args.file is not None:
-        try:
-            with open(args.file, encoding="utf-8") as fh:
-                prompt = fh.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise CliError(f"cannot read {args.file}: {exc}") from None
-    else:
-        prompt = args.prompt
-    if not prompt:
-        raise CliError("the prompt is empty")
+        choices = ", ".join(names())
+        raise CliError(f"unknown speculation {args.speculation!r}; choose one of {choices}")
+    prompt = _read_prompt(args)
     if not 0 < args.top_p <= 1:
         raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")
     engine = Engine(args.model, device=args.device, runner=args.runner)
@@ -109,23 +103,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     ids = engine.encode(prompt)
     params = GenParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop or [],
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
+    tracker = TextTracker(engine.tokenizer.backend_tokenizer, ids, args.stop or [])
     stats = None
     try:
-        for delta in engine.stream(ids, params, proposer):
-            sys.stdout.write(delta.text)
+        for step in engine.stream(ids, params, proposer):
+            new = [t for t in step.token_ids if t not in engine.stop_ids]
+            text, hit = tracker.feed(new, final=step.done)
+            sys.stdout.write(text)
             sys.stdout.flush()
-            stats = delta.stats
+            stats = step.stats
+            if hit:
+                stats.tokens = tracker.tokens_used
+                stats.finish_reason = "stop"
+                break
     except ValueError as exc:
         raise CliError(str(exc)) from None
     sys.stdout.write("\n")
     assert stats is not None
-    s = stats.as_dict()
+    _report(engine, args, stats.as_dict())
+    return 0
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    """``--prompt``, or the text of ``--file``; never empty."""
+    prompt = args.prompt
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                prompt = fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CliError(f"cannot read {args.file}: {exc}") from None
+    if not prompt:
+        raise CliError("the prompt is empty")
+    return prompt
+
+
+def _report(engine: Any, args: argparse.Namespace, s: dict) -> None:
+    """One stats line on stderr (and the stats as JSON with ``--json``)."""
     print(
         f"[{engine.runner.name} runner, {engine.device.type}, speculation {args.speculation}] "
         f"{s['tokens']} tokens in {s['total_ms']:.0f} ms ({s['tokens_per_s']} tok/s), "
@@ -135,7 +151,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(s), file=sys.stderr)
-    return 0
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -188,16 +203,12 @@ def cmd_lsp(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from codespec.daemon.config import ConfigError, load_config, validate
+    from codespec.daemon.config import ConfigError, load_config
     from codespec.daemon.service.daemon import SocketInUse, serve
 
+    flags = {key: getattr(args, key) for key in ("model", "device", "runner", "socket")}
     try:
-        config = load_config(args.config)
-        for key in ("model", "device", "runner", "socket"):
-            value = getattr(args, key)
-            if value is not None:
-                setattr(config, key, value)
-        validate(config)
+        config = load_config(args.config, overrides=flags)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     try:
@@ -254,6 +265,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# LSP language identifiers by file extension (the daemon picks comment syntax by them)
+LANGUAGES = {
+    ".py": "python", ".pyi": "python", ".js": "javascript", ".mjs": "javascript",
+    ".jsx": "javascriptreact", ".ts": "typescript", ".tsx": "typescriptreact",
+    ".rs": "rust", ".go": "go", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp",
+    ".hpp": "cpp", ".java": "java", ".kt": "kotlin", ".cs": "csharp", ".rb": "ruby",
+    ".php": "php", ".swift": "swift", ".lua": "lua", ".sh": "shellscript",
+    ".bash": "shellscript", ".sql": "sql", ".hs": "haskell", ".r": "r", ".pl": "perl",
+    ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json", ".md": "markdown",
+    ".html": "html", ".css": "css",
+}  # fmt: skip
+
+
+def language_of(path: os.PathLike | str) -> str:
+    """The LSP language id of a file by its extension; '' when unknown."""
+    return LANGUAGES.get(os.path.splitext(str(path))[1].lower(), "")
+
+
 def cmd_complete(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -281,7 +310,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
     with _daemon_client(args.socket) as client:
         try:
-            client.request("open", {"uri": uri, "text": text, "language": "python"})
+            client.request("open", {"uri": uri, "text": text, "language": language_of(path)})
             result = client.request("complete", params, on_delta if args.stream else None)
         except DaemonError as exc:
             raise CliError(exc.message if exc.code != "bad_params" else str(exc)) from None
@@ -296,49 +325,79 @@ def cmd_complete(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="codespec", description="Local code completion with speculative decoding.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
+SOCKET_HELP = "the daemon's socket (default: $CODESPEC_SOCKET, else $XDG_RUNTIME_DIR/codespec/...)"
+SPECULATION_HELP = "auto (default), off, or one proposer's name (ngram, eagle, ...)"
+MAX_TOKENS_HELP = "the most tokens to generate"
 
+
+def _bench_help() -> str:
+    from codespec.daemon.bench import SUBCOMMANDS
+
+    return "benchmarks: " + " | ".join(["WORKLOAD.jsonl", *SUBCOMMANDS]) + " (--help: each's flags)"
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate a continuation of a prompt in-process")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--file", help="read the prompt from a file")
-    g.add_argument("--max-tokens", type=positive_int, default=64)
-    g.add_argument("--speculation", default="auto", help="off, auto, or a proposer's name")
-    g.add_argument("--temperature", type=non_negative_float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=positive_int, default=64, help=MAX_TOKENS_HELP)
+    g.add_argument("--speculation", default="auto", help=SPECULATION_HELP)
+    g.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="sampling temperature; 0 (default) decodes greedily")  # fmt: skip
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="also print the stats as a JSON line")
     add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="run the daemon on a Unix socket")
     s.add_argument("--model", default=None, help=MODEL_HELP)
-    s.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])
-    s.add_argument("--runner", default=None, choices=["auto", "lean", "hf"])
-    s.add_argument("--socket", default=None, help="socket path (default: $CODESPEC_SOCKET, ...)")
+    s.add_argument("--device", default=None, choices=DEVICES, help=DEVICE_HELP)
+    s.add_argument("--runner", default=None, choices=RUNNERS, help=RUNNER_HELP)
+    s.add_argument("--socket", default=None, help=SOCKET_HELP)
     s.add_argument("--config", default=None, help="config file (default: ~/.config/codespec/...)")
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="what a running daemon is doing")
-    st.add_argument("--socket", default=None)
+    st.add_argument("--socket", default=None, help=SOCKET_HELP)
     st.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     st.set_defaults(func=cmd_status)
 
     c = sub.add_parser("complete", help="complete at a position of a file via the daemon")
-    c.add_argument("--file", required=True)
-    c.add_argument("--line", type=int, required=True, help="0-based line")
-    c.add_argument("--character", type=int, required=True, help="0-based UTF-16 column")
+    c.add_argument(
+        "--file", required=True, help="the source file (its extension names the language)"
+    )
+    c.add_argument("--line", type=int, required=True, help="0-based line (LSP positions)")
+    c.add_argument("--character", type=int, required=True,
+                   help="0-based UTF-16 column, at most the line's length")  # fmt: skip
     c.add_argument("--stream", action="store_true", help="print deltas as they arrive")
-    c.add_argument("--multiline", action="store_true")
-    c.add_argument("--max-tokens", type=positive_int, default=None)
-    c.add_argument("--speculation", default="auto")
-    c.add_argument("--socket", default=None)
+    c.add_argument("--multiline", action="store_true", help="complete a block, not one line")
+    c.add_argument("--max-tokens", type=positive_int, default=None, help=MAX_TOKENS_HELP)
+    c.add_argument("--speculation", default="auto", help=SPECULATION_HELP)
+    c.add_argument("--socket", default=None, help=SOCKET_HELP)
     c.add_argument("--json", action="store_true", help="also print the stats as a JSON line")
     c.set_defaults(func=cmd_complete)
+
+    ls = sub.add_parser("lsp", help="language server for editors (LSP over stdio)")
+    ls.add_argument("--socket", default=None, help=SOCKET_HELP)
+    ls.add_argument("--log-file", default=None, help="write the server's log to this file")
+    ls.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    ls.set_defaults(func=cmd_lsp)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from codespec.daemon import __version__
+
+    p = _Parser(prog="codespec", description="Local code completion with speculative decoding.")
+    p.add_argument("--version", action="version", version=f"codespec {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    _add_generate(sub)
+    _add_daemon_commands(sub)
 
     mo = sub.add_parser("model", help="fetch, import or list cached models")
     mo.add_argument("action", choices=["fetch", "import", "list"], help="what to do")
@@ -348,17 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("--state-dir", default=None, help="cache root (default: ~/.cache/codespec)")
     mo.set_defaults(func=cmd_model)
 
-    e = sub.add_parser("train-eagle", help="train an EAGLE-3 draft head", add_help=False)
-    e.set_defaults(func=cmd_train_eagle, passthrough=True)
-    m = sub.add_parser("train-medusa", help="train Medusa draft heads", add_help=False)
-    m.set_defaults(func=cmd_train_medusa, passthrough=True)
-    b = sub.add_parser("bench", help="benchmarks: WORKLOAD.jsonl | runner | index", add_help=False)
-    b.set_defaults(func=cmd_bench, passthrough=True)
-    ls = sub.add_parser("lsp", help="language server for editors (LSP over stdio)")
-    ls.add_argument("--socket", default=None, help="daemon socket (default: CODESPEC_SOCKET)")
-    ls.add_argument("--log-file", default=None, help="write the server's log to this file")
-    ls.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
-    ls.set_defaults(func=cmd_lsp)
+    passthrough = (
+        ("train-eagle", "train an EAGLE-3 draft head (--help: its flags)", cmd_train_eagle),
+        ("train-medusa", "train Medusa draft heads (--help: its flags)", cmd_train_medusa),
+        ("bench", _bench_help(), cmd_bench),
+    )
+    for name, text, func in passthrough:
+        sub.add_parser(name, help=text, add_help=False).set_defaults(func=func, passthrough=True)
     return p
 
 

@@ -1,8 +1,11 @@
 """The daemon's configuration: a TOML file, defaults, command-line overrides.
 
-Owns: :class:`Config` (typed, defaulted), where the config file, the socket
-and the state directory live by default, reading and checking the TOML file
-(a bad value is a :class:`ConfigError` with a one-line message naming the key).
+Owns: :class:`Config` (typed, defaulted msgspec structs), where the config
+file, the socket and the state directory live by default, and reading the TOML
+file: the file's table, with the command line's overrides on top, is converted
+once by :func:`codespec.daemon.typed.convert` (types, ranges, choices, unknown
+keys); a bad value is a :class:`ConfigError` with a one-line message naming the
+key.
 Must not touch: the engine, sockets, documents.
 
 File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
@@ -43,62 +46,78 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from codespec.daemon.typed import TypedError, convert
+
+AtLeast1 = Annotated[int, Meta(ge=1)]
 
 
 class ConfigError(ValueError):
     """A bad config file or value; the message is one line for the user."""
 
 
-@dataclass
-class Limits:
-    max_queue: int = 32
-    max_tokens: int = 1024
-    max_documents: int = 512
-    max_document_chars: int = 4_000_000
+class _Section(msgspec.Struct, forbid_unknown_fields=True):
+    pass
+
+
+class Limits(_Section):
+    max_queue: AtLeast1 = 32
+    max_tokens: AtLeast1 = 1024
+    max_documents: AtLeast1 = 512
+    max_document_chars: AtLeast1 = 4_000_000
     # Prompt tokens a completion carries at most (prefix + suffix): each first keystroke
     # at a new spot prefills this much (the first, retired default was trained on 1,024).
-    context_tokens: int = 1024
+    context_tokens: Annotated[int, Meta(ge=64)] = 1024
 
 
-@dataclass
-class Speculation:
-    default: str = "auto"
-    max_draft: int = 16
-    shorten_at: int = 2
-    off_at: int = 4
-    quantum_steps: int = 8
+class Speculation(_Section):
+    default: str = "auto"  # auto | off | a proposer's name (checked against the registry)
+    max_draft: AtLeast1 = 16
+    shorten_at: AtLeast1 = 2
+    off_at: AtLeast1 = 4
+    quantum_steps: AtLeast1 = 8
+
+    def __post_init__(self) -> None:
+        if self.default not in ("auto", "off"):
+            from codespec.speculators.registry import names
+
+            if self.default not in names():
+                raise ValueError(
+                    f"default must be one of {', '.join(names())}, got {self.default!r}"
+                )
+        if self.off_at < self.shorten_at:
+            raise ValueError("off_at must be >= shorten_at")
 
 
-@dataclass
-class Completion:
+class Completion(_Section):
     # What a completion's prompt carries besides the prefix: "none", "header" (the file
     # under a <file_sep>path line) or "crossfile" (snippets of the other open files
     # first). "none" by default: with SmolLM2-135M neither raised the first-line exact
     # match (codespec bench quality; README, "Completion quality").
-    context: str = "none"
+    context: Literal["none", "header", "crossfile"] = "none"
 
 
-@dataclass
-class Workspace:
-    max_file_bytes: int = 1_000_000
-    max_files: int = 5000
-    debounce_s: float = 0.3
+class Workspace(_Section):
+    max_file_bytes: AtLeast1 = 1_000_000
+    max_files: Annotated[int, Meta(ge=0)] = 5000
+    debounce_s: Annotated[float, Meta(ge=0.0)] = 0.3
 
 
-@dataclass
-class Config:
+class Config(_Section):
     model: str | None = None
-    device: str = "auto"
-    runner: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    runner: Literal["auto", "lean", "hf"] = "auto"
     socket: str | None = None  # None: default_socket_path()
     state_dir: str | None = None  # None: default_state_dir(); "" disables saving the index
-    limits: Limits = field(default_factory=Limits)
-    speculation: Speculation = field(default_factory=Speculation)
-    completion: Completion = field(default_factory=Completion)
-    workspace: Workspace = field(default_factory=Workspace)
+    limits: Limits = msgspec.field(default_factory=Limits)
+    speculation: Speculation = msgspec.field(default_factory=Speculation)
+    completion: Completion = msgspec.field(default_factory=Completion)
+    workspace: Workspace = msgspec.field(default_factory=Workspace)
 
     @property
     def socket_path(self) -> str:
@@ -133,86 +152,26 @@ def default_config_path() -> Path:
     return Path(base) / "codespec" / "config.toml"
 
 
-_CHOICES = {
-    "device": ("auto", "cpu", "cuda"),
-    "runner": ("auto", "lean", "hf"),
-    "context": ("none", "header", "crossfile"),
-}
-_MIN = {
-    "max_queue": 1,
-    "max_tokens": 1,
-    "max_documents": 1,
-    "max_document_chars": 1,
-    "max_draft": 1,
-    "shorten_at": 1,
-    "off_at": 1,
-    "quantum_steps": 1,
-    "max_file_bytes": 1,
-    "max_files": 0,
-    "debounce_s": 0.0,
-}
-
-
-def _check(section: str, obj: Any, table: dict[str, Any], path: str) -> None:
-    known = {f.name: f for f in fields(obj)}
-    for key, value in table.items():
-        name = f"{section}.{key}" if section else key
-        f = known.get(key)
-        if f is None:
-            raise ConfigError(f"{path}: unknown key {name!r}")
-        current = getattr(obj, key)
-        if isinstance(current, (Limits, Speculation, Completion, Workspace)):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{path}: [{name}] must be a table")
-            _check(name, current, value, path)
-            continue
-        want = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        if "float" in want:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            value = float(value) if ok else value
-        elif "int" in want:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            raise ConfigError(f"{path}: {name} must be {want.split(' ')[0]}, got {value!r}")
-        if key in _CHOICES and value not in _CHOICES[key]:
-            raise ConfigError(f"{path}: {name} must be one of {', '.join(_CHOICES[key])}")
-        if key in _MIN and value < _MIN[key]:
-            raise ConfigError(f"{path}: {name} must be at least {_MIN[key]}, got {value}")
-        setattr(obj, key, value)
-
-
-def load_config(path: str | os.PathLike | None = None) -> Config:
-    """Read the config file (``path``, or the default one when it exists)."""
+def load_config(
+    path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None
+) -> Config:
+    """The config file (``path``, or the default one when it exists) with ``overrides``
+    (the command line's top-level keys; None values are left out) on top, checked."""
     explicit = path is not None
     p = Path(os.path.expanduser(str(path))) if explicit else default_config_path()
-    config = Config()
-    if not p.exists():
-        if explicit:
-            raise ConfigError(f"config file {p} does not exist")
-        return config
+    table: dict[str, Any] = {}
+    if p.exists():
+        try:
+            table = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read {p}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p} is not valid TOML: {exc}") from None
+    elif explicit:
+        raise ConfigError(f"config file {p} does not exist")
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     try:
-        table = tomllib.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {p}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{p} is not valid TOML: {exc}") from None
-    _check("", config, table, str(p))
-    validate(config, str(p))
-    return config
-
-
-def validate(config: Config, where: str = "config") -> None:
-    """Cross-field checks (after the file and the flags are merged)."""
-    from codespec.speculators.registry import names
-
-    if config.speculation.default not in names():
-        raise ConfigError(
-            f"{where}: speculation.default must be one of {', '.join(names())}, "
-            f"got {config.speculation.default!r}"
-        )
-    if config.limits.context_tokens < 64:
-        raise ConfigError(f"{where}: limits.context_tokens must be at least 64")
-    if config.speculation.off_at < config.speculation.shorten_at:
-        raise ConfigError(f"{where}: speculation.off_at must be >= speculation.shorten_at")
+        return convert({**table, **flags}, Config)
+    except TypedError as exc:
+        where = p if p.exists() else "config"
+        raise ConfigError(f"{where}: {exc}".splitlines()[0]) from None

@@ -99,3 +99,82 @@ def test_corrupt_checkpoint(tmp_path: Path, default_model_dir: Path):
     assert_one_line_error(
         codespec("generate", "--prompt", "x", "--model", str(bad)), "codespec: error"
     )
+
+
+def test_help_lists_every_command_and_version():
+    from codespec.daemon import __version__
+    from codespec.daemon.bench import SUBCOMMANDS
+    from codespec.daemon.cli import build_parser
+
+    out = codespec("--help", timeout=60)
+    assert out.returncode == 0, out.stderr
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name in commands:
+        assert f"    {name}" in out.stdout, name
+    bench = " ".join(out.stdout.split("    bench", 1)[1].split())
+    assert "WORKLOAD.jsonl | " + " | ".join(SUBCOMMANDS) in bench
+    version = codespec("--version", timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"codespec {__version__}"
+
+
+def test_every_flag_has_help():
+    import argparse
+
+    from codespec.daemon.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    for name, parser in sub.choices.items():
+        assert sub._choices_actions, "commands without help"
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help and action.help.strip(), f"codespec {name} {action.dest}: no help"
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    assert all(helps.get(n) for n in sub.choices), helps
+    complete = sub.choices["complete"]
+    for action in complete._actions:
+        if action.dest in ("line", "character"):
+            assert "0-based" in action.help
+
+
+@pytest.fixture
+def small_daemon(engine, tmp_path):
+    from conftest import ServerThread, daemon_config
+
+    srv = ServerThread(daemon_config(tmp_path), engine)
+    yield srv
+    srv.stop()
+
+
+def test_complete_opens_the_file_in_its_language(small_daemon, tmp_path, monkeypatch, capsys):
+    from codespec.daemon import cli
+
+    opened: list[tuple[str, str]] = []
+    store = small_daemon.server.documents
+    real_open = store.open
+
+    def recording_open(uri, text, version=None, language=""):
+        opened.append((uri.rsplit("/", 1)[-1], language))
+        return real_open(uri, text, version, language)
+
+    monkeypatch.setattr(store, "open", recording_open)
+    for name, text in [("lib.rs", "fn main() {\n    \n}\n"), ("app.py", "x = \n"),
+                       ("notes.unknown", "x\n")]:  # fmt: skip
+        (tmp_path / name).write_text(text)
+        rc = cli.main(["complete", "--file", str(tmp_path / name), "--line", "0",
+                       "--character", "1", "--max-tokens", "1", "--speculation", "off",
+                       "--socket", small_daemon.socket_path])  # fmt: skip
+        assert rc == 0, capsys.readouterr().err
+    assert opened == [("lib.rs", "rust"), ("app.py", "python"), ("notes.unknown", "")]
+
+
+def test_complete_past_the_end_of_the_line_is_an_error(small_daemon, tmp_path, capsys):
+    from codespec.daemon import cli
+
+    src = tmp_path / "short.py"
+    src.write_text("x = 1\n")
+    rc = cli.main(["complete", "--file", str(src), "--line", "0", "--character", "999",
+                   "--socket", small_daemon.socket_path])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and len(err.splitlines()) == 1
+    assert "character 999 is past the end of line 0" in err

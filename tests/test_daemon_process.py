@@ -102,6 +102,11 @@ def test_serve_lifecycle(tmp_path):
         assert not os.path.exists(sock_path)
         index = tmp_path / "cache" / "codespec" / "index.msgpack"
         assert index.exists() and index.stat().st_size > 0
+        out, err = proc.communicate(timeout=10)
+        log = out + err
+        assert log.count("serving on") == 1, log  # said once, by the log
+        assert f"codespec: serving on {sock_path}" in err
+        assert f"codespec: stopped; {sock_path} removed, index saved to {index}" in err, err
     finally:
         if proc.poll() is None:
             proc.kill()

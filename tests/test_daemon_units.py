@@ -28,18 +28,37 @@ def test_config_file_and_errors(tmp_path, monkeypatch):
     c = load_config()
     assert c.device == "cpu" and c.speculation.default == "off" and c.speculation.max_draft == 4
     for text, fragment in [
-        ("device = 'tpu'\n", "device must be one of"),
-        ("[limits]\nmax_queue = 0\n", "limits.max_queue must be at least 1"),
-        ("colour = 1\n", "unknown key 'colour'"),
-        ("[speculation]\ndefault = 'magic'\n", "speculation.default"),
-        ("limits = 3\n", "[limits] must be a table"),
+        ("device = 'tpu'\n", "device: must be one of auto, cpu, cuda, got 'tpu'"),
+        ("[limits]\nmax_queue = 0\n", "limits.max_queue: expected `int` >= 1"),
+        ("[limits]\nmax_queue = true\n", "limits.max_queue: expected `int`, got `bool`"),
+        ("[workspace]\ndebounce_s = 'soon'\n", "workspace.debounce_s: expected `float`"),
+        ("colour = 1\n", "colour: unknown key"),
+        ("[limits]\ncolour = 1\n", "limits.colour: unknown key"),
+        ("[speculation]\ndefault = 'magic'\n", "speculation: default must be one of"),
+        ("[speculation]\nshorten_at = 5\n", "speculation: off_at must be >= shorten_at"),
+        ("[limits]\ncontext_tokens = 10\n", "limits.context_tokens: expected `int` >= 64"),
+        ("[completion]\ncontext = 'all'\n", "completion.context: must be one of none, header"),
+        ("limits = 3\n", "limits: expected `object`, got `int`"),
         ("model = \n", "not valid TOML"),
     ]:
         cfg.write_text(text)
-        with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(ConfigError) as err:
             load_config()
+        assert fragment in str(err.value) and str(err.value).startswith(str(cfg))
+        assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+    cfg.write_text("[workspace]\ndebounce_s = 1\n")  # an integer for a float is fine
+    assert load_config().workspace.debounce_s == 1.0
+
+
+def test_command_line_overrides_win_over_the_file_and_are_checked(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('device = "cuda"\nsocket = "/from/file.sock"\n')
+    c = load_config(cfg, overrides={"device": "cpu", "socket": None, "model": "m"})
+    assert (c.device, c.socket, c.model) == ("cpu", "/from/file.sock", "m")
+    with pytest.raises(ConfigError, match="runner: must be one of auto, lean, hf"):
+        load_config(cfg, overrides={"runner": "fast"})
 
 
 def test_document_store_versions_and_index_feed():
@@ -238,10 +257,76 @@ def test_complete_prompt_respects_the_context_budget(fim_engine):
     assert engine.decode(before_suffix[-20:]) == engine.decode(full[: full.index(fim.suffix)][-20:])
 
 
-def test_context_tokens_is_validated():
-    from codespec.daemon.config import Config, ConfigError, validate
+def test_the_saved_index_is_loaded_at_start_and_a_corrupt_one_is_left_out(engine, tmp_path):
+    """Stop saves the index to the state directory; the next start loads it. A file that
+    is not an index (a crash mid-write, another format) starts an empty index."""
+    config = daemon_config(tmp_path)
+    config.state_dir = str(tmp_path / "state")
+    uri = "file:///kept.py"
+    srv = ServerThread(config, engine)
+    try:
+        with Client(srv.socket_path) as c:
+            c.request("open", {"uri": uri, "text": "def kept(a, b):\n    return a + b\n"})
+    finally:
+        srv.stop()
+    saved = tmp_path / "state" / "index.msgpack"
+    assert saved.stat().st_size > 0
+    srv = ServerThread(config, engine)
+    try:
+        assert uri in srv.server.index and srv.server.index.stats()["documents"] == 1
+    finally:
+        srv.stop()
+    saved.write_bytes(b"\x93not an index")
+    srv = ServerThread(config, engine)
+    try:
+        assert uri not in srv.server.index and srv.server.index.stats()["documents"] == 0
+        with Client(srv.socket_path) as c:  # and the daemon serves
+            assert c.request("stats")["index"]["documents"] == 0
+    finally:
+        srv.stop()
 
-    cfg = Config()
-    cfg.limits.context_tokens = 10
-    with pytest.raises(ConfigError, match="context_tokens"):
-        validate(cfg)
+
+def test_gitignore_rules_follow_git(tmp_path):
+    """Patterns the hand-written subset did not know: escapes, ``**`` in the middle,
+    a negation under an ignored folder (git does not look inside it)."""
+    (tmp_path / ".gitignore").write_text(
+        "\\#notes\ndocs/**/*.md\nout/\n!out/keep.py\nname[0-9].py\n"
+    )
+    rules = IgnoreRules(tmp_path)
+    assert rules.ignored(tmp_path / "#notes", False)
+    assert rules.ignored(tmp_path / "docs" / "a" / "b" / "x.md", False)
+    assert rules.ignored(tmp_path / "docs" / "x.md", False)
+    assert not rules.ignored(tmp_path / "docs" / "x.py", False)
+    assert rules.ignored(tmp_path / "out" / "keep.py", False)
+    assert rules.ignored(tmp_path / "name3.py", False)
+    assert not rules.ignored(tmp_path / "nameX.py", False)
+
+
+def test_workspace_changes_wait_for_each_other(tmp_path):
+    """``add`` (a worker thread) and a re-index (the flusher thread) change the same
+    roots and files: while ``add`` runs, a flush that is due waits for it."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "a.py").write_text("a = 1\n")
+    (root / "b.py").write_text("b = 1\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "c.py").write_text("c = 1\n")
+    seen: dict[str, bool] = {}
+
+    def index_file(uri: str, text: str | None) -> None:
+        if uri.endswith("/a.py") and "flushed" not in seen:
+            flushes = ws.flushes
+            ws.touch(other / "c.py")  # due at once: the flusher wants the workspace now
+            with ws.flushed:
+                seen["flushed"] = ws.flushed.wait_for(lambda: ws.flushes > flushes, 1.0)
+
+    ws = Workspace(index_file, lambda uri: False, debounce_s=0.0)
+    try:
+        ws.add(str(other))
+        assert ws.add(str(root)) == 2
+        assert seen == {"flushed": False}, "a flush ran while add was changing the files"
+        with ws.flushed:
+            assert ws.flushed.wait_for(lambda: ws.flushes >= 1, 10)
+    finally:
+        ws.close()

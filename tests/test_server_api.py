@@ -156,6 +156,42 @@ def test_cancel_unknown_id(client):
     assert client.request("cancel", {"id": 987654}) == {"id": 987654, "cancelled": False}
 
 
+def test_a_position_past_the_line_end_is_refused_by_name(client):
+    client.request("open", {"uri": "file:///col.py", "text": "x = 1\n", "version": 1})
+    with pytest.raises(DaemonError) as err:
+        client.request("complete", {"uri": "file:///col.py",
+                                    "position": {"line": 0, "character": 999}})  # fmt: skip
+    assert err.value.code == "bad_params"
+    assert "character 999 is past the end of line 0 (5 UTF-16 units long)" in err.value.message
+    # the line's end itself is a fine cursor
+    at_end = {"line": 0, "character": 5}
+    r = client.request("complete", {"uri": "file:///col.py", "position": at_end, "max_tokens": 1})
+    assert r["stats"]["tokens"] <= 1
+
+
+def test_bad_params_name_the_parameter(client):
+    client.request("open", {"uri": "file:///names.py", "text": "x = 1\n"})
+    for params, message in [
+        ({"uri": 3, "text": ""}, "'uri': expected `str`, got `int`"),
+        ({"uri": "file:///names.py"}, "'text': missing"),
+        ({"uri": "file:///n.py", "text": "", "version": 1.5}, "'version': expected `int`"),
+    ]:
+        with pytest.raises(DaemonError) as err:
+            client.request("open", params)
+        assert err.value.code == "bad_params" and err.value.message.startswith(message)
+    pos = {"line": 0, "character": 0}
+    for extra, message in [
+        ({"position": {"line": -1, "character": 0}}, "'position.line': expected `int` >= 0"),
+        ({"position": pos, "top_p": 0}, "'top_p': expected `float` > 0.0"),
+        ({"position": pos, "stop": ["x" * 300]}, "'stop': expected `str` of length <= 256"),
+        ({"position": pos, "stream": 1}, "'stream': expected `bool`, got `int`"),
+        ({"position": pos, "max_tokens": 10**6}, "'max_tokens' must be in [1, 1024]"),
+    ]:
+        with pytest.raises(DaemonError) as err:
+            client.request("complete", {"uri": "file:///names.py", **extra})
+        assert err.value.code == "bad_params" and err.value.message.startswith(message)
+
+
 @pytest.mark.parametrize(
     "method,params,code",
     [
@@ -167,6 +203,13 @@ def test_cancel_unknown_id(client):
         ("complete", {"uri": "file:///e.py", "position": {"line": -1, "character": 0}}, None),
         ("complete", {"uri": "file:///e.py", "position": {"line": 99, "character": 0}}, None),
         ("complete", {"uri": "file:///e.py", "position": [0, 0]}, "bad_params"),
+        ("complete", {"uri": "file:///e.py", "position": {"line": 0, "character": 999}},
+         "bad_params"),  # past the end of the line: an error, not the line's end
+        ("complete", {"uri": "file:///e.py", "position": {"line": 1, "character": 1}},
+         "bad_params"),  # the last (empty) line has no column 1
+        ("edit", {"uri": "file:///e.py", "range": {"start": {"line": 0, "character": 0},
+                                                   "end": {"line": 0, "character": 6}}},
+         "bad_params"),
         ("complete", {"uri": "file:///e.py", "position": {"line": 0, "character": 0},
                       "max_tokens": 0}, "bad_params"),
         ("complete", {"uri": "file:///e.py", "position": {"line": 0, "character": 0},
@@ -239,11 +282,14 @@ def test_edit_returns_text_edits_that_turn_old_into_new(client):
     expected = "".join(lines[:8]) + r["text"] + "".join(lines[12:])
     changes = [{"range": e["range"], "text": e["newText"]} for e in reversed(r["edits"])]
     assert apply_changes(SOURCE, changes) == expected
-    # With the prediction equal to the old text, an unchanged result needs no edits.
-    same = client.request(
-        "edit", {"uri": uri, "range": rng, "max_tokens": 2, "prediction": "def g():\n"}
-    )
+    # With the prediction equal to the old text: the edits are empty exactly when the
+    # result is the old text, and otherwise still turn old into new.
+    old = "".join(lines[8:12])
+    same = client.request("edit", {"uri": uri, "range": rng, "max_tokens": 48, "prediction": old})
     assert same["range"] == rng
+    assert (same["edits"] == []) == (same["text"] == old)
+    changes = [{"range": e["range"], "text": e["newText"]} for e in reversed(same["edits"])]
+    assert apply_changes(SOURCE, changes) == "".join(lines[:8]) + same["text"] + "".join(lines[12:])
 
 
 def test_fim_edit_over_the_socket(fim_engine, tmp_path):

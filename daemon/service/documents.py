@@ -1,8 +1,7 @@
 """The daemon's document store: what each client has open, at which version.
 
 Owns: per open document its text (a :class:`~codespec.ngram_index.TextDocument`
-with its LSP line table), its language, its version, its token ids (computed
-lazily, dropped on change), and the version rules:
+with its LSP line table), its language, its version, and the rules:
 
 - ``open`` always (re)places the document: it is how a client recovers from
   ``stale_version``.
@@ -11,6 +10,10 @@ lazily, dropped on change), and the version rules:
   nothing is applied. The changes are checked on a copy first, so a bad range
   in the middle of a list applies nothing either (``bad_params``).
 - ``complete`` / ``edit`` may carry ``version``; it must equal the stored one.
+- A request's position must lie in the document: a line past the last one or a
+  character past its line's end is ``bad_params`` (:meth:`Document.offset`).
+  Content changes keep LSP's rule instead: a character past the end of a line
+  means the line's end.
 
 It reports every accepted mutation to ``on_index`` (the n-gram index feed);
 positions use :mod:`codespec.ngram_index.positions`, never a second converter.
@@ -43,7 +46,6 @@ class Document:
     doc: TextDocument
     version: int | None = None
     language: str = ""
-    _ids: list[int] | None = field(default=None, repr=False)
     touched: float = field(default_factory=time.monotonic)  # last open or change
 
     @property
@@ -51,10 +53,20 @@ class Document:
         return self.doc.text
 
     def offset(self, position: Mapping[str, Any]) -> int:
+        """The offset of a request's position; ``bad_params`` when it is not in the text."""
         try:
-            return self.doc.offset_at(position)
+            offset = self.doc.offset_at(position)
+            line_end = self.doc.lines.line_span(self.doc.text, position["line"])[1]
         except PositionError as exc:
             raise ProtocolError(BAD_PARAMS, f"{self.uri}: {exc}") from None
+        width = self.doc.position_at(line_end)["character"]
+        if position["character"] > width:
+            raise ProtocolError(
+                BAD_PARAMS,
+                f"{self.uri}: character {position['character']} is past the end of line "
+                f"{position['line']} ({width} UTF-16 units long)",
+            )
+        return offset
 
     def position(self, offset: int) -> dict[str, int]:
         return self.doc.position_at(offset)
@@ -62,11 +74,6 @@ class Document:
     def snapshot(self) -> Document:
         """A frozen copy: later changes to this document do not reach it."""
         return Document(self.uri, TextDocument(self.doc.text), self.version, self.language)
-
-    def token_ids(self, encode: Callable[[str], list[int]]) -> list[int]:
-        if self._ids is None:
-            self._ids = encode(self.doc.text)
-        return self._ids
 
 
 class DocumentStore:
@@ -137,7 +144,6 @@ class DocumentStore:
             raise ProtocolError(BAD_PARAMS, f"{uri}: text longer than {self.max_chars} characters")
         d.doc = trial
         d.version = version
-        d._ids = None
         d.touched = time.monotonic()
         if self.on_index:
             self.on_index("change", uri, [dict(c) for c in changes])

@@ -1,8 +1,9 @@
 """The socket protocol: frames, error codes and parameter checking.
 
 Owns: the wire format (a 4-byte big-endian length, then one msgpack map),
-the maximum frame size, the stable error codes, and the typed accessors that
-turn a request's ``params`` map into Python values or a ``bad_params`` error.
+the maximum frame size, the stable error codes, and one typed struct per
+method's ``params`` (:func:`parse` turns the map into it, or into a
+``bad_params`` error that names the parameter).
 
 Must not touch: sockets' lifetimes, the engine, documents. The server and
 both clients import from here, so the wire format lives in one place.
@@ -24,12 +25,15 @@ lives on, because its length told us where the next frame starts.
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import msgpack
+import msgspec
+from msgspec import Meta
+
+from codespec.daemon.typed import TypedError, convert
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # 8 MiB: a 300k-line file still fits in one `open`
@@ -121,85 +125,108 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**64
 
 
-class Params:
-    """Typed, defaulted access to a request's params; every failure is ``bad_params``."""
+# -- params: one struct per method ------------------------------------------------------
+# Unknown keys are ignored (a newer client may send more); a None value counts as absent.
 
-    _MISSING = object()
+Uri = Annotated[str, Meta(max_length=4096)]
+Version = Annotated[int, Meta(ge=-(2**31), le=2**63 - 1)]
+Count = Annotated[int, Meta(ge=0)]
 
-    def __init__(self, params: Mapping[str, Any]) -> None:
-        self.raw = params
 
-    def _get(self, key: str, default: Any) -> Any:
-        value = self.raw.get(key, self._MISSING)
-        if value is self._MISSING or value is None:
-            if default is self._MISSING:
-                raise ProtocolError(BAD_PARAMS, f"missing parameter {key!r}")
-            return default
-        return value
+class _Params(msgspec.Struct, kw_only=True):
+    pass
 
-    def str(self, key: str, default: Any = _MISSING, *, max_len: int | None = None) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not self._MISSING:
-            return value
-        if not isinstance(value, str):
-            raise ProtocolError(BAD_PARAMS, f"{key!r} must be a string")
-        if max_len is not None and len(value) > max_len:
-            raise ProtocolError(BAD_PARAMS, f"{key!r} is longer than {max_len} characters")
-        return value
 
-    def int(self, key: str, default: Any = _MISSING, *, lo: Any = None, hi: Any = None) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not self._MISSING:
-            return value
-        if not _is_int(value):
-            raise ProtocolError(BAD_PARAMS, f"{key!r} must be an integer")
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise ProtocolError(BAD_PARAMS, f"{key!r} must be in [{lo}, {hi}], got {value}")
-        return value
+class Position(_Params):
+    line: Count
+    character: Count
 
-    def float(self, key: str, default: Any = _MISSING, *, lo: float, hi: float) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not self._MISSING:
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(BAD_PARAMS, f"{key!r} must be a number")
-        value = float(value)
-        if not math.isfinite(value) or not lo <= value <= hi:
-            raise ProtocolError(BAD_PARAMS, f"{key!r} must be in [{lo}, {hi}], got {value}")
-        return value
+    def as_dict(self) -> dict[str, int]:
+        return {"line": self.line, "character": self.character}
 
-    def bool(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._get(key, default)
-        if not isinstance(value, bool):
-            raise ProtocolError(BAD_PARAMS, f"{key!r} must be true or false")
-        return value
 
-    def map(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not self._MISSING:
-            return value
-        if not isinstance(value, dict):
-            raise ProtocolError(BAD_PARAMS, f"{key!r} must be a map")
-        return value
+class Range(_Params):
+    start: Position
+    end: Position
 
-    def str_list(self, key: str, default: Any = _MISSING, *, max_items: int = 64) -> Any:
-        value = self._get(key, default)
-        if value is default and default is not self._MISSING:
-            return value
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-            raise ProtocolError(BAD_PARAMS, f"{key!r} must be a list of strings")
-        if len(value) > max_items:
-            raise ProtocolError(BAD_PARAMS, f"{key!r} has more than {max_items} items")
-        return value
 
-    def position(self, key: str) -> dict[str, int]:
-        pos = self.map(key)
-        for k in ("line", "character"):
-            v = pos.get(k)
-            if not _is_int(v) or v < 0:
-                raise ProtocolError(BAD_PARAMS, f"{key}.{k} must be an integer >= 0")
-        return {"line": pos["line"], "character": pos["character"]}
+class Hello(_Params):
+    client: Annotated[str, Meta(max_length=256)] = ""
+    protocol: Annotated[int, Meta(ge=0, le=2**31)] = PROTOCOL_VERSION
 
-    def range(self, key: str) -> dict[str, dict[str, int]]:
-        rng = Params(self.map(key))
-        return {"start": rng.position("start"), "end": rng.position("end")}
+
+class Open(_Params):
+    uri: Uri
+    text: str
+    version: Version | None = None
+    language: Annotated[str, Meta(max_length=64)] = ""
+
+
+class Change(_Params):
+    uri: Uri
+    version: Version
+    changes: list[dict[str, Any]]  # LSP content changes, checked by the document store
+
+
+class Close(_Params):
+    uri: Uri
+
+
+class Sampling(_Params):
+    """What every model request may set; ``max_tokens``' ceiling is the config's."""
+
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=10.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Annotated[list[Annotated[str, Meta(max_length=256)]], Meta(max_length=16)] = []
+    stream: bool = False
+    speculation: Annotated[str, Meta(max_length=64)] | None = None  # None: the config's
+
+
+class Complete(Sampling, kw_only=True):
+    uri: Uri
+    position: Position
+    version: Version | None = None
+    multiline: bool = False
+
+
+class Edit(Sampling, kw_only=True):
+    uri: Uri
+    range: Range
+    version: Version | None = None
+    instruction: Annotated[str, Meta(max_length=4000)] = ""
+    prediction: str | None = None
+    mode: Annotated[str, Meta(max_length=16)] = "auto"
+
+
+class Generate(Sampling, kw_only=True):
+    prompt: str | None = None
+    prompt_ids: list[Count] | None = None
+
+
+class Cancel(_Params):
+    id: int
+
+
+class WorkspaceFolders(_Params):
+    folders: Annotated[list[str], Meta(max_length=64)] = []
+    remove: Annotated[list[str], Meta(max_length=64)] = []
+
+
+class Empty(_Params):
+    pass
+
+
+P = TypeVar("P", bound=_Params)
+
+
+def parse(params: Mapping[str, Any], kind: type[P]) -> P:
+    """A request's ``params`` as ``kind``, or ``bad_params`` naming the parameter."""
+    present = {k: v for k, v in params.items() if v is not None}
+    try:
+        return convert(present, kind)
+    except TypedError as exc:
+        reason = exc.reason.replace(" | null", "")  # null is taken for absent here
+        why = f"{exc.key!r}: {reason}" if exc.key else reason
+        raise ProtocolError(BAD_PARAMS, why) from None

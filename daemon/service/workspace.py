@@ -7,11 +7,12 @@ debounce that turns a burst of file events into one re-index per path.
 Files a client has open are left to the document store (their editor text
 wins over the disk). Must not touch: the engine, sockets, documents.
 
-.gitignore support is the common subset: blank lines and ``#`` comments are
-skipped, ``!`` re-includes, a trailing ``/`` matches folders only, a pattern
-with a ``/`` (other than trailing) is anchored to the .gitignore's folder, one
-without matches a name at any depth, ``*``/``?``/``[...]`` and ``**`` glob.
-Nested .gitignore files apply below their folder.
+.gitignore patterns are matched by ``pathspec`` (git's own rules); nested
+.gitignore files apply below their folder.
+
+Threads: ``add`` / ``remove`` run on a worker thread, re-indexing on the
+flusher thread, ``stats`` on the event loop; ``roots`` and ``files`` are read
+and changed only under ``_lock``.
 
 Debounce: every event (re)sets the path's deadline to ``now + debounce_s``;
 a flusher thread handles each path once its deadline has passed. ``flushed``
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
+
+import pathspec
 
 log = logging.getLogger("codespec.daemon")
 
@@ -45,76 +47,25 @@ def uri_of(path: Path) -> str:
     return path.resolve().as_uri()
 
 
-class _Rule:
-    def __init__(self, base: Path, line: str) -> None:
-        self.negate = line.startswith("!")
-        if self.negate:
-            line = line[1:]
-        self.dir_only = line.endswith("/")
-        line = line.rstrip("/")
-        self.anchored = "/" in line
-        line = line.lstrip("/")
-        self.base = base
-        self.regex = re.compile(_glob_to_regex(line))
-
-    def matches(self, rel: str, name: str, is_dir: bool) -> bool:
-        if self.dir_only and not is_dir:
-            return False
-        return bool(self.regex.fullmatch(rel if self.anchored else name))
-
-
-def _glob_to_regex(pat: str) -> str:
-    out = []
-    i = 0
-    while i < len(pat):
-        if pat.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pat.startswith("/**", i) and i + 3 == len(pat):
-            out.append("/.*")
-            i += 3
-        elif pat[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif pat[i] == "?":
-            out.append("[^/]")
-            i += 1
-        elif pat[i] == "[":
-            j = pat.find("]", i + 1)
-            if j < 0:
-                out.append(re.escape(pat[i]))
-                i += 1
-            else:
-                body = pat[i + 1 : j].replace("\\", "\\\\")
-                out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
-                i = j + 1
-        else:
-            out.append(re.escape(pat[i]))
-            i += 1
-    return "".join(out)
-
-
 class IgnoreRules:
-    """The .gitignore rules that apply under one root, read lazily per folder."""
+    """The .gitignore files that apply under one root (``pathspec``'s git rules), read
+    lazily per folder. A path is ignored when it or one of its folders is (git does not
+    look inside an ignored folder); for each, the deepest .gitignore with a matching
+    pattern decides, and within a file the last matching pattern."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._by_dir: dict[Path, list[_Rule]] = {}
+        self._by_dir: dict[Path, pathspec.GitIgnoreSpec | None] = {}
 
-    def _rules(self, folder: Path) -> list[_Rule]:
-        rules = self._by_dir.get(folder)
-        if rules is None:
-            rules = []
+    def _spec(self, folder: Path) -> pathspec.GitIgnoreSpec | None:
+        if folder not in self._by_dir:
             try:
                 text = (folder / ".gitignore").read_text(encoding="utf-8", errors="replace")
             except OSError:
                 text = ""
-            for line in text.splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    rules.append(_Rule(folder, line))
-            self._by_dir[folder] = rules
-        return rules
+            lines = text.splitlines()
+            self._by_dir[folder] = pathspec.GitIgnoreSpec.from_lines(lines) if lines else None
+        return self._by_dir[folder]
 
     def forget(self, folder: Path) -> None:
         self._by_dir.pop(folder, None)
@@ -122,28 +73,26 @@ class IgnoreRules:
     def ignored(self, path: Path, is_dir: bool) -> bool:
         """Whether ``path`` (under the root) or one of its folders is ignored."""
         try:
-            rel = path.relative_to(self.root)
+            parts = path.relative_to(self.root).parts
         except ValueError:
             return True
-        parts = rel.parts
         for depth in range(1, len(parts) + 1):
-            sub = parts[:depth]
             sub_is_dir = is_dir if depth == len(parts) else True
-            if sub[-1] in SKIP_DIRS and sub_is_dir:
+            if parts[depth - 1] in SKIP_DIRS and sub_is_dir:
                 return True
-            if self._ignored_here(self.root.joinpath(*sub), sub_is_dir):
+            if self._ignored_here(parts[:depth], sub_is_dir):
                 return True
         return False
 
-    def _ignored_here(self, path: Path, is_dir: bool) -> bool:
+    def _ignored_here(self, parts: tuple[str, ...], is_dir: bool) -> bool:
         verdict = False
-        rel_parts = path.relative_to(self.root).parts
-        chain = [self.root] + [self.root.joinpath(*rel_parts[:k]) for k in range(1, len(rel_parts))]
-        for folder in chain:
-            rel = "/".join(path.relative_to(folder).parts)
-            for rule in self._rules(folder):
-                if rule.matches(rel, path.name, is_dir):
-                    verdict = not rule.negate
+        for k in range(len(parts)):  # the root's .gitignore first: deeper ones win
+            spec = self._spec(self.root.joinpath(*parts[:k]))
+            if spec is not None:
+                rel = "/".join(parts[k:]) + ("/" if is_dir else "")
+                include = spec.check_file(rel).include
+                if include is not None:
+                    verdict = include
         return verdict
 
 
@@ -193,6 +142,7 @@ class Workspace:
         self.files: set[str] = set()
         self.flushes = 0
         self.flushed = threading.Condition()
+        self._lock = threading.RLock()  # roots and files
         self._pending: dict[Path, float] = {}
         self._cond = threading.Condition()
         self._stop = False
@@ -206,26 +156,28 @@ class Workspace:
         root = path_of(folder).resolve()
         if not root.is_dir():
             raise ValueError(f"{folder} is not a folder")
-        if root in self.roots:
-            return 0
-        rules = IgnoreRules(root)
-        self.roots[root] = rules
-        count = 0
-        for p in walk(root, rules):
-            if len(self.files) >= self.max_files:
-                break
-            count += self._index(p)
-        self._watch(root)
+        with self._lock:
+            if root in self.roots:
+                return 0
+            rules = IgnoreRules(root)
+            self.roots[root] = rules
+            count = 0
+            for p in walk(root, rules):
+                if len(self.files) >= self.max_files:
+                    break
+                count += self._index(p)
+            self._watch(root)
         return count
 
     def remove(self, folder: str) -> None:
         root = path_of(folder).resolve()
-        if self.roots.pop(root, None) is None:
-            return
         prefix = root.as_uri() + "/"
-        for uri in [u for u in self.files if u.startswith(prefix)]:
-            self.files.discard(uri)
-            self.index_file(uri, None)
+        with self._lock:
+            if self.roots.pop(root, None) is None:
+                return
+            for uri in [u for u in self.files if u.startswith(prefix)]:
+                self.files.discard(uri)
+                self.index_file(uri, None)
 
     def _rules_for(self, path: Path) -> IgnoreRules | None:
         for root, rules in self.roots.items():
@@ -301,6 +253,10 @@ class Workspace:
                 self.flushed.notify_all()
 
     def _refresh(self, path: Path) -> None:
+        with self._lock:
+            self._refresh_locked(path)
+
+    def _refresh_locked(self, path: Path) -> None:
         rules = self._rules_for(path)
         if rules is None:
             return
@@ -315,7 +271,8 @@ class Workspace:
         self._index(path)
 
     def stats(self) -> dict[str, object]:
-        return {"folders": [str(r) for r in self.roots], "files": len(self.files)}
+        with self._lock:
+            return {"folders": [str(r) for r in self.roots], "files": len(self.files)}
 
     def close(self) -> None:
         with self._cond:

@@ -1,0 +1,283 @@
+"""The socket methods, one thin handler each.
+
+Owns: what each method of the socket API does, as four steps: check the params
+(:func:`~codespec.daemon.service.protocol.parse` into the method's struct), get
+the document, call the core (:mod:`codespec.daemon.prompts.completion`, the
+scheduler, the document store, the workspace), convert the result. A handler
+returns a result map, or an awaitable one for work that waits for the model.
+Must not touch: frames and connections (:mod:`.connection`), the engine's and
+the index's insides, prompt building.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from codespec.daemon.engine import cpu_gemm
+from codespec.daemon.engine.engine import GenParams
+from codespec.daemon.prompts import completion
+from codespec.daemon.service import protocol as proto
+from codespec.daemon.service.connection import Connection, Handler, Waiting, cancelled_frame
+from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError, parse
+from codespec.daemon.service.scheduler import Job, JobResult, prepared_job
+from codespec.speculators.policy import summary as policy_summary
+from codespec.speculators.registry import names as proposer_names
+
+if TYPE_CHECKING:
+    from codespec.daemon.service.daemon import Server
+
+SERVER_NAME = "codespec/0.1.0"
+METHODS = (
+    "hello",
+    "open",
+    "change",
+    "close",
+    "complete",
+    "edit",
+    "generate",
+    "cancel",
+    "stats",
+    "workspace",
+    "shutdown",
+)
+Params = Mapping[str, Any]
+
+
+def cpu_kernel(engine: Any) -> str:
+    """``cpu_gemm`` when the runner's products use the CPU kernel, else why not."""
+    if getattr(engine.runner, "kernels", False):
+        head = getattr(engine.runner, "lm_head_t", None)
+        narrow = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+        kind = narrow.get(str(head.dtype)) if head is not None and head.dim() == 3 else None
+        return f"cpu_gemm, {kind} weights" if kind else "cpu_gemm"
+    if engine.device.type != "cpu" or engine.runner.name != "lean":
+        return "off"
+    return cpu_gemm.unavailable_reason() or "off"
+
+
+class Methods:
+    """The handlers of one daemon, by socket method name (:meth:`table`)."""
+
+    def __init__(self, server: Server) -> None:
+        self.srv = server
+
+    def table(self) -> dict[str, Handler]:
+        return {m: getattr(self, m) for m in METHODS}
+
+    # -- helpers --------------------------------------------------------------------------
+    def _sampling(self, p: proto.Sampling, default_tokens: int) -> tuple[GenParams, str]:
+        """The request's generation parameters and speculation, checked against the config."""
+        cfg = self.srv.config
+        speculation = p.speculation or cfg.speculation.default
+        if speculation not in proposer_names():
+            raise ProtocolError(
+                BAD_PARAMS, f"speculation must be one of {', '.join(proposer_names())}"
+            )
+        max_tokens = default_tokens if p.max_tokens is None else p.max_tokens
+        if max_tokens > cfg.limits.max_tokens:
+            raise ProtocolError(
+                BAD_PARAMS,
+                f"'max_tokens' must be in [1, {cfg.limits.max_tokens}], got {max_tokens}",
+            )
+        params = GenParams(
+            max_tokens=max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            max_draft=cfg.speculation.max_draft,
+        )
+        return params, speculation
+
+    def _submit(
+        self, conn: Connection, rid: int, job: Job, stream: bool, done: Callable[[JobResult], dict]
+    ) -> Waiting:
+        scheduler = self.srv.scheduler
+        assert scheduler is not None
+        if stream:
+            loop = asyncio.get_running_loop()
+
+            def on_delta(text: str) -> None:
+                loop.call_soon_threadsafe(conn.send, {"id": rid, "event": "delta", "text": text})
+
+            job.on_delta = on_delta
+        return Waiting(job, asyncio.wrap_future(scheduler.submit(job)), done)
+
+    # -- documents ------------------------------------------------------------------------
+    def hello(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
+        parse(raw, proto.Hello)
+        e = self.srv.engine
+        return {
+            "server": SERVER_NAME,
+            "protocol": proto.PROTOCOL_VERSION,
+            "model": e.model_name,
+            "device": e.device.type,
+            "runner": e.runner.name,
+            "max_length": e.max_length,
+            "capabilities": {
+                "methods": list(METHODS),
+                "speculation": proposer_names(),
+                "streaming": True,
+                "edit": "fim" if e.fim is not None else "continue",  # the "auto" mode
+                "edit_modes": list(completion.EDIT_MODES),
+                "fim": e.fim is not None,
+                "max_frame_bytes": proto.MAX_FRAME_BYTES,
+                "max_tokens": self.srv.config.limits.max_tokens,
+                "error_codes": list(proto.ERROR_CODES),
+            },
+        }
+
+    def open(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
+        p = parse(raw, proto.Open)
+        d = self.srv.documents.open(p.uri, p.text, p.version, p.language)
+        return {"uri": p.uri, "version": d.version, "lines": d.doc.lines.line_count}
+
+    def change(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
+        p = parse(raw, proto.Change)
+        d = self.srv.documents.change(p.uri, p.version, p.changes)
+        return {"uri": p.uri, "version": d.version}
+
+    def close(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
+        p = parse(raw, proto.Close)
+        self.srv.documents.close(p.uri)
+        return {"uri": p.uri, "closed": True}
+
+    def workspace(self, conn: Connection, rid: int, raw: Params) -> Any:
+        p = parse(raw, proto.WorkspaceFolders)
+        ws = self.srv.workspace
+        assert ws is not None
+
+        def work() -> dict[str, Any]:
+            for f in p.remove:
+                ws.remove(f)
+            try:
+                files = sum(ws.add(f) for f in p.folders)
+            except ValueError as exc:
+                raise ProtocolError(BAD_PARAMS, str(exc)) from None
+            return {**ws.stats(), "indexed": files}
+
+        return asyncio.to_thread(work)
+
+    # -- model work -----------------------------------------------------------------------
+    def complete(self, conn: Connection, rid: int, raw: Params) -> Waiting:
+        p = parse(raw, proto.Complete)
+        params, speculation = self._sampling(p, 64 if p.multiline else 16)
+        srv = self.srv
+        doc = srv.documents.get(p.uri, p.version)
+        prep = completion.prepare_complete(
+            srv.engine,
+            srv.documents,
+            srv.snippets,
+            doc,
+            doc.offset(p.position.as_dict()),
+            params.max_tokens,
+            p.multiline,
+            srv.config.limits.context_tokens,
+            srv.config.completion.context,
+            list(p.stop),
+        )
+        job = prepared_job(prep, params, speculation, "complete", p.uri)
+
+        def done(r: JobResult) -> dict[str, Any]:
+            text = completion.shape(r.text, p.multiline, r.finish_reason)
+            return {"text": text, "finish_reason": r.finish_reason, "stats": r.stats}
+
+        return self._submit(conn, rid, job, p.stream, done)
+
+    def edit(self, conn: Connection, rid: int, raw: Params) -> Waiting:
+        p = parse(raw, proto.Edit)
+        srv = self.srv
+        # The edits refer to the text as it was when the request came in; a change the
+        # client sends while the edit streams must not move them.
+        doc = srv.documents.get(p.uri, p.version).snapshot()
+        start, end = doc.offset(p.range.start.as_dict()), doc.offset(p.range.end.as_dict())
+        if end < start:
+            raise ProtocolError(BAD_PARAMS, "the range's end precedes its start")
+        old = doc.text[start:end]
+        draft = old if p.prediction is None else p.prediction
+        limit = srv.config.limits.max_tokens
+        params, speculation = self._sampling(
+            p, min(limit, len(srv.engine.encode(draft)) * 3 // 2 + 32)
+        )
+        params.max_draft = max(params.max_draft, 64)
+        ep = completion.edit_prompt(
+            srv.engine, doc.text, start, end, draft, p.instruction, doc.language,
+            params.max_tokens, p.mode, srv.config.limits.context_tokens,
+        )  # fmt: skip
+        prep = completion.prepare_edit(srv.engine, ep, old, list(p.stop))
+        job = prepared_job(prep, params, speculation, "edit", p.uri)
+        span = {"start": doc.position(start), "end": doc.position(end)}
+
+        def done(r: JobResult) -> dict[str, Any]:
+            new = completion.clean_edit(r.text, ep.mode)
+            return {
+                "text": new,
+                "range": span,
+                "edits": completion.text_edits(doc, start, old, new),
+                "version": doc.version,
+                "mode": ep.mode,
+                "finish_reason": r.finish_reason,
+                "stats": r.stats,
+            }
+
+        return self._submit(conn, rid, job, p.stream, done)
+
+    def generate(self, conn: Connection, rid: int, raw: Params) -> Waiting:
+        p = parse(raw, proto.Generate)
+        params, speculation = self._sampling(p, 64)
+        engine = self.srv.engine
+        if p.prompt_ids is not None:
+            ids = p.prompt_ids
+            vocab = int(getattr(engine.config, "vocab_size", 0) or len(engine.tokenizer))
+            if any(t >= vocab for t in ids):
+                raise ProtocolError(BAD_PARAMS, f"'prompt_ids' must be a list of ids < {vocab}")
+        elif p.prompt is not None:
+            ids = engine.encode(p.prompt)
+        else:
+            raise ProtocolError(BAD_PARAMS, "'prompt' or 'prompt_ids': missing")
+        if not ids:
+            raise ProtocolError(BAD_PARAMS, "the prompt is empty")
+        if len(ids) + 1 >= engine.max_length:
+            raise ProtocolError(BAD_PARAMS, f"the prompt has {len(ids)} tokens; too long")
+        job = Job(list(ids), params, speculation, "generate", stop=list(p.stop))
+
+        def done(r: JobResult) -> dict[str, Any]:
+            return {"text": r.text, "finish_reason": r.finish_reason, "stats": r.stats}
+
+        return self._submit(conn, rid, job, p.stream, done)
+
+    # -- the daemon -----------------------------------------------------------------------
+    def cancel(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
+        target = parse(raw, proto.Cancel).id
+        if not conn.cancel(target):
+            return {"id": target, "cancelled": False}
+        conn.send(cancelled_frame(target))
+        return {"id": target, "cancelled": True}
+
+    def stats(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
+        srv = self.srv
+        assert srv.scheduler is not None and srv.workspace is not None
+        req = srv.scheduler.stats()
+        e = srv.engine
+        return {
+            "model": e.model_name,
+            "device": e.device.type,
+            "runner": e.runner.name,
+            "cpu_kernel": cpu_kernel(e),
+            "uptime_s": round(time.time() - srv.started, 1),
+            "connections": srv.connection_count,
+            "documents": len(srv.documents),
+            "index": srv.index_stats(),
+            "workspace": srv.workspace.stats(),
+            "requests": {k: v for k, v in req.items() if k != "proposers"},
+            "proposers": req["proposers"],
+            "policy": policy_summary(e),
+            "tokens_per_s": req["tokens_per_s"],
+        }
+
+    def shutdown(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
+        srv = self.srv
+        asyncio.get_running_loop().call_later(0.05, lambda: asyncio.ensure_future(srv.stop()))
+        return {"ok": True}
