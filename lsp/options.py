@@ -1,9 +1,11 @@
 """Initialization options of ``codespec lsp``: typed, defaulted, checked.
 
-Owns: :class:`Options` (what an editor may set in ``initializationOptions``,
-camelCase on the wire, snake_case here) and :func:`parse_options`, which never
-raises: each bad or unknown key yields one message for the user and that key
-keeps its default.
+Owns: :class:`Options` (a msgspec struct: what an editor may set in
+``initializationOptions``, camelCase on the wire, snake_case here; both are
+accepted) and :func:`parse_options`, which never raises: each bad or unknown
+key yields one message for the user and that key keeps its default. Types,
+ranges and choices are the struct's annotations, checked by
+:func:`codespec.daemon.typed.convert`.
 Must not touch: the daemon connection, documents, LSP handlers.
 
 Example (VS Code settings and the Neovim plugin send the same map)::
@@ -13,92 +15,60 @@ Example (VS Code settings and the Neovim plugin send the same map)::
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from codespec.daemon.typed import TypedError, convert
 
 MULTILINE_MODES = ("auto", "always", "never")
 
 
-@dataclass(frozen=True)
-class Options:
+class Options(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True):
     """What the language server does; every field has a default that works."""
 
-    socket: str | None = None  # daemon socket; None: CODESPEC_SOCKET or the default path
+    # daemon socket; None: CODESPEC_SOCKET or the default path
+    socket: Annotated[str, Meta(min_length=1)] | None = None
     autostart_daemon: bool = True  # start `codespec serve` (detached) when none answers
     serve_args: tuple[str, ...] = ()  # extra arguments for `codespec serve`, e.g. --model
-    start_timeout_s: float = 120.0  # how long to wait for a started daemon's socket
-    max_tokens: int = 64  # per completion item
-    max_lines: int = 16  # of a multi-line item, after block truncation
-    temperature: float = 0.0  # automatic completions (invoked alternatives add sampling)
-    multiline: str = "auto"  # auto (by context) | always | never
-    invoked_items: int = 3  # alternatives when completion is invoked explicitly
-    debounce_ms: int = 75  # per-document debounce of automatic requests
-    speculation: str = "auto"  # auto | off | a proposer's name (forwarded to the daemon)
-    edit_max_tokens: int | None = None  # cap of one `codespec/edit` (None: the daemon's)
+    # how long to wait for a started daemon's socket
+    start_timeout_s: Annotated[float, Meta(ge=1.0, le=3600.0)] = msgspec.field(
+        default=120.0, name="startTimeout"
+    )
+    max_tokens: Annotated[int, Meta(ge=1, le=4096)] = 64  # per completion item
+    max_lines: Annotated[int, Meta(ge=1, le=1000)] = 16  # of a multi-line item, after truncation
+    # automatic completions (invoked alternatives add sampling)
+    temperature: Annotated[float, Meta(ge=0.0, le=5.0)] = 0.0
+    multiline: Literal["auto", "always", "never"] = "auto"  # by context | always | never
+    invoked_items: Annotated[int, Meta(ge=1, le=10)] = 3  # alternatives when invoked explicitly
+    debounce_ms: Annotated[int, Meta(ge=0, le=5000)] = 75  # per document, automatic requests
+    # auto | off | a proposer's name (forwarded to the daemon)
+    speculation: Annotated[str, Meta(min_length=1)] = "auto"
+    # cap of one `codespec/edit` (None: the daemon's)
+    edit_max_tokens: Annotated[int, Meta(ge=1, le=8192)] | None = None
 
 
-@dataclass(frozen=True)
-class _Field:
-    name: str  # snake_case attribute
-    key: str  # camelCase wire name
-    kind: str  # "str?", "str", "bool", "int", "int?", "float", "choice", "strs"
-    lo: float = 0.0
-    hi: float = math.inf
-    choices: tuple[str, ...] = field(default_factory=tuple)
+_WIRE = {f.name: f.encode_name for f in msgspec.structs.fields(Options)}  # snake -> camel
+_DEFAULTS = msgspec.structs.asdict(Options())
 
 
-_FIELDS = (
-    _Field("socket", "socket", "str?"),
-    _Field("autostart_daemon", "autostartDaemon", "bool"),
-    _Field("serve_args", "serveArgs", "strs"),
-    _Field("start_timeout_s", "startTimeout", "float", lo=1.0, hi=3600.0),
-    _Field("max_tokens", "maxTokens", "int", lo=1, hi=4096),
-    _Field("max_lines", "maxLines", "int", lo=1, hi=1000),
-    _Field("temperature", "temperature", "float", lo=0.0, hi=5.0),
-    _Field("multiline", "multiline", "choice", choices=MULTILINE_MODES),
-    _Field("invoked_items", "invokedItems", "int", lo=1, hi=10),
-    _Field("debounce_ms", "debounceMs", "int", lo=0, hi=5000),
-    _Field("speculation", "speculation", "str"),
-    _Field("edit_max_tokens", "editMaxTokens", "int?", lo=1, hi=8192),
-)
-assert {f.name for f in _FIELDS} == {f.name for f in fields(Options)}
+def _check(key: str, value: Any) -> tuple[Any, str | None]:
+    """``(value, None)`` when ``key: value`` is a valid option, else ``(None, why)``. A
+    whole-number float is taken for an integer (JSON from a JavaScript client does not
+    tell them apart)."""
+    why = None
+    for candidate in (value, int(value)) if _whole_float(value) else (value,):
+        try:
+            convert({key: candidate}, Options)
+            return candidate, None
+        except TypedError as exc:
+            why = why or exc.reason
+    return None, why
 
 
-def _check(spec: _Field, value: Any) -> tuple[Any, str | None]:
-    """``(converted value, None)`` or ``(None, why it is bad)``."""
-    if spec.kind == "str?":
-        if value is None or (isinstance(value, str) and value):
-            return value, None
-        return None, "expected a non-empty string or null"
-    if spec.kind == "str":
-        return (value, None) if isinstance(value, str) and value else (None, "expected a string")
-    if spec.kind == "bool":
-        return (value, None) if isinstance(value, bool) else (None, "expected true or false")
-    if spec.kind == "strs":
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value), None
-        return None, "expected a list of strings"
-    if spec.kind == "choice":
-        if value in spec.choices:
-            return value, None
-        return None, f"expected one of {', '.join(spec.choices)}"
-    if spec.kind == "int?" and value is None:
-        return None, None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None, "expected a number"
-    if spec.kind in ("int", "int?"):
-        if isinstance(value, float) and not value.is_integer():
-            return None, "expected a whole number"
-        value = int(value)
-    else:
-        value = float(value)
-        if not math.isfinite(value):
-            return None, "expected a finite number"
-    if not spec.lo <= value <= spec.hi:
-        hi = "" if spec.hi == math.inf else f"{spec.hi:g}"
-        return None, f"expected a number in [{spec.lo:g}, {hi}]"
-    return value, None
+def _whole_float(value: Any) -> bool:
+    return isinstance(value, float) and value.is_integer()
 
 
 def parse_options(raw: Any) -> tuple[Options, list[str]]:
@@ -114,30 +84,32 @@ def parse_options(raw: Any) -> tuple[Options, list[str]]:
             f"codespec: initializationOptions must be an object, got {type(raw).__name__}; "
             "using the defaults"
         ]
-    by_key = {f.key: f for f in _FIELDS}
-    by_key.update({f.name: f for f in _FIELDS})  # snake_case accepted too
-    changes: dict[str, Any] = {}
+    good: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in raw.items():
-        spec = by_key.get(key)
-        if spec is None:
+        wire = _WIRE.get(key, key)  # snake_case accepted too
+        checked, why = _check(wire, value)
+        if why == "unknown key":
             problems.append(f"codespec: unknown option {key!r} ignored")
-            continue
-        converted, why = _check(spec, value)
-        if why is not None:
-            default = getattr(Options(), spec.name)
+        elif why is not None:
+            name = next(n for n, w in _WIRE.items() if w == wire)
             problems.append(
-                f"codespec: option {spec.key}={value!r}: {why}; using the default {default!r}"
+                f"codespec: option {wire}={value!r}: {why}; using the default {_DEFAULTS[name]!r}"
             )
-            continue
-        changes[spec.name] = converted
-    return replace(Options(), **changes), problems
+        else:
+            good[wire] = checked
+    return convert(good, Options), problems
+
+
+def with_socket(options: Options, socket: str | None) -> Options:
+    """``options`` with ``socket`` where they name none (``codespec lsp --socket``)."""
+    if options.socket is None and socket is not None:
+        return msgspec.structs.replace(options, socket=socket)
+    return options
 
 
 def to_wire(options: Options) -> dict[str, Any]:
     """The camelCase map an editor would send (what ``codespec/status`` reports)."""
-    out: dict[str, Any] = {}
-    for spec in _FIELDS:
-        value = getattr(options, spec.name)
-        out[spec.key] = list(value) if isinstance(value, tuple) else value
-    return out
+    return {
+        k: list(v) if isinstance(v, tuple) else v for k, v in msgspec.to_builtins(options).items()
+    }

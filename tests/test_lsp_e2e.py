@@ -304,6 +304,7 @@ def test_completion_fallback_returns_text_edits_at_the_cursor(
         timeout=60,
     )
     assert result["isIncomplete"] is True
+    assert result["items"], "the model proposed nothing at the start of a function body"
     for item in result["items"]:
         assert item["textEdit"]["range"]["start"] == {"line": 11, "character": 4}
         assert item["textEdit"]["newText"].strip()
@@ -416,11 +417,7 @@ def test_utf16_positions_on_lines_with_non_ascii_characters(
     )
     text = 'name = "héllo😀ü😀"\nprint(f(name))\n'
     line0 = text.split("\n")[0]
-    # A completion inside "f(|name))": a range item must end at the UTF-16 end of line.
-    items = inline(lsp, uri, 1, len("print(f("))
-    for item in items:
-        if "range" in item:
-            assert item["range"]["end"]["character"] == utf16_len("print(f(name))")
+    # (Where a range item ends on such a line: test_lsp_server.py, in-process.)
     # Rewrite the tail of line 0 from a UTF-16 column after both emoji: the daemon's
     # edits apply to our copy of the text only if it applied the change where we did.
     start_units = utf16_len('name = "héllo😀ü😀')
@@ -495,4 +492,40 @@ def test_daemon_killed_next_request_restarts_and_resyncs(
                 "max_tokens": 2,
             },
         )
+    assert "text" in r
+
+
+def test_edit_reopens_a_document_the_daemon_lost(lsp: LspDriver, env: dict[str, Any]) -> None:
+    """``codespec/edit`` for a document the daemon no longer has (another client closed
+    it, or the daemon restarted between the sync and the edit): the language server
+    re-opens it with its text and retries, as it does for completions."""
+    text = "def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n"
+    uri = open_doc(lsp, env, "lost.py", text)
+    requests_stats(lsp)  # connected: the document reaches the daemon
+
+    def close_in_daemon(c: Client) -> bool:
+        try:
+            c.request("close", {"uri": uri})
+            return True
+        except DaemonError as exc:
+            if exc.code != "unknown_document":
+                raise
+            return False  # not synced yet
+
+    with Client(env["socket"], timeout=10) as c:
+        wait_until(lambda: close_in_daemon(c), 10, "the document in the daemon")
+    rng = {"start": {"line": 1, "character": 0}, "end": {"line": 2, "character": 0}}
+    msg = lsp.response(
+        lsp.send(
+            "codespec/edit",
+            {"textDocument": {"uri": uri, "version": 1}, "range": rng, "token": "t-lost"},
+        ),
+        timeout=60,
+    )
+    assert "error" not in msg, msg["error"]
+    result = msg["result"]
+    assert result["range"] == rng and result["version"] == 1 and result["token"] == "t-lost"
+    with Client(env["socket"], timeout=10) as c:  # re-opened at the editor's version
+        r = c.request("complete", {"uri": uri, "version": 1, "max_tokens": 1,
+                                   "position": {"line": 4, "character": 0}})  # fmt: skip
     assert "text" in r

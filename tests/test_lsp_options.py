@@ -191,3 +191,60 @@ def test_invoked_requests_add_the_other_line_mode_and_sampled_alternatives() -> 
     # Text right of the cursor: single-line only, alternatives are sampled.
     got = variants(_query("x = f(", ")", True), Options(invoked_items=2))
     assert got == [Variant(False, 0.0), Variant(False, 0.7, seed=1)]
+
+
+class GatedLink:
+    """A daemon link whose requests wait for the test's gate; counts cancellations."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.calls: list[str] = []
+        self.cancelled: list[int] = []
+        self.arrived = asyncio.Condition()
+
+    async def request(self, method: str, params: dict, on_delta=None, uri=None) -> dict:
+        n = len(self.calls)
+        async with self.arrived:
+            self.calls.append(params["uri"])
+            self.arrived.notify_all()
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(n)
+            raise
+        return {"text": f"value_{n}", "stats": {}}
+
+    async def wait_for_calls(self, n: int) -> None:
+        async with self.arrived:
+            await self.arrived.wait_for(lambda: len(self.calls) >= n)
+
+
+def _query_at(uri: str):
+    from codespec.lsp.completion import CompletionQuery
+    from codespec.lsp.postprocess import CursorContext
+
+    return CompletionQuery(uri, 1, {"line": 0, "character": 4}, CursorContext("x = ", ""), False)
+
+
+def test_a_newer_request_cancels_the_older_one_in_flight_for_its_document() -> None:
+    """Request 0 (a.py) is waiting for the daemon when request 1 (a.py) arrives: 0 is
+    cancelled (its daemon request with it), 1 is answered; request 2 (b.py) is untouched."""
+    from codespec.lsp.completion import Completer
+
+    async def scenario() -> tuple:
+        link = GatedLink()
+        completer = Completer(link, Options(debounce_ms=0), Debouncer(0.0))  # type: ignore[arg-type]
+        older = asyncio.ensure_future(completer.complete(_query_at("file:///a.py")))
+        await link.wait_for_calls(1)
+        newer = asyncio.ensure_future(completer.complete(_query_at("file:///a.py")))
+        other = asyncio.ensure_future(completer.complete(_query_at("file:///b.py")))
+        await link.wait_for_calls(3)
+        link.gate.set()
+        results = await asyncio.gather(older, newer, other, return_exceptions=True)
+        return link, results
+
+    link, (older, newer, other) = asyncio.run(scenario())
+    assert isinstance(older, asyncio.CancelledError)
+    assert link.cancelled == [0]
+    assert [c.proposal.text for c in newer] == ["value_1"]
+    assert [c.proposal.text for c in other] == ["value_2"]
