@@ -106,7 +106,8 @@ def feed_text(tracker: TextTracker, engine, text: str) -> tuple[str, bool]:
         sent += piece
         if hit:
             return sent, True
-    return sent + tracker.feed([], final=True)[0], False
+    piece, hit = tracker.feed([], final=True)
+    return sent + piece, hit
 
 
 def test_text_tracker_skips_the_healed_text_and_stops_at_the_next_line(engine):
@@ -129,6 +130,9 @@ def test_text_tracker_cuts_loops(engine):
     t = TextTracker(tok, cut_loops=True)  # indentation repeats, but is no loop
     _, hit = feed_text(t, engine, "if x:\n                y = 1\n")
     assert not hit
+    t = TextTracker(tok, cut_loops=True)  # an unfinished last line that loops goes too
+    _, hit = feed_text(t, engine, "a = 1\nf'{x} {x} {x} {x} {x} {x} {x} {x}")
+    assert hit and t.looped and t.text == "a = 1"
     t = TextTracker(tok, cut_loops=False)
     _, hit = feed_text(t, engine, looping)
     assert not hit and t.text == looping

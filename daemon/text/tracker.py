@@ -124,8 +124,7 @@ class TextTracker:
             self.tokens_used = self._tokens_for(len(self.skip) + through - len(self.lead))
             return self._take(len(self.text)), True
         if final:
-            self.text = self._ending(self.text)
-            return self._take(len(self.text)), False
+            return self._finish()
         return self._take(max(self._safe_end(), self.emitted)), False
 
     def _safe_end(self) -> int:
@@ -172,6 +171,20 @@ class TextTracker:
             if stop_line or looping:
                 self.looped = not stop_line
                 return max(0, start - 1), nl + 1  # the line break before it goes too
+
+    def _finish(self) -> tuple[str, bool]:
+        """The text ended without a rule firing: the unfinished last line gets the line
+        rules too, as if it were complete."""
+        start = self._scan
+        line = self.text[start:]
+        key = line.strip()
+        looped = bool(self.cut_loops and key and
+                      (self._seen.get(key, 0) >= 2 or repeats_a_piece(line)))  # fmt: skip
+        if looped:
+            self.looped = self.stopped = True
+            self.text = self.text[: max(0, start - 1)]
+        self.text = self._ending(self.text)
+        return self._take(len(self.text)), looped
 
     def _ending(self, text: str) -> str:
         return text if self.trailing is None else text.rstrip("\r\n") + self.trailing
