@@ -230,3 +230,34 @@ def test_a_model_proposer_without_weights_is_bad_params(engine, name):
             assert ok.stats["tokens"] >= 1
     finally:
         s.stop()
+
+
+def test_warming_prefills_while_idle_and_yields_to_requests(engine, scheduler):
+    """A warmed prompt is cached when the request comes (the prefill re-feeds only the
+    last token); a warm-up queued while a request runs waits for it, and a request that
+    arrives mid-warm-up takes the engine between chunks."""
+    engine.reset_cache()
+    prompt = engine.encode(PROMPT * 12)
+    scheduler.warm("file:///w.py", prompt)
+    wait_idle(scheduler)
+    deadline = time.monotonic() + 30
+    while scheduler.warmed < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.warmed == 1 and scheduler.warmed_tokens == len(prompt) - 1
+    r = scheduler.submit(Job(prompt, GenParams(max_tokens=2), "off")).result(60)
+    assert r.stats["cached_tokens"] == len(prompt) - 1
+    # a request waiting when the warm-up gets the engine stops it before its first chunk
+    engine.reset_cache()
+    long = engine.encode(PROMPT * 60)
+    before = scheduler.warmed_tokens
+    with engine.lock:  # the worker takes the warm-up, then waits for the engine
+        scheduler.warm("file:///long.py", long)
+        deadline = time.monotonic() + 30
+        while scheduler._warm and time.monotonic() < deadline:
+            time.sleep(0.001)
+        fut = scheduler.submit(Job(engine.encode("x = 1\n"), GenParams(max_tokens=2), "off"))
+    r = fut.result(60)
+    while scheduler.warmed < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.finish_reason == "length" and scheduler.warmed == 2
+    assert scheduler.warmed_tokens == before  # nothing fed: the request went first

@@ -38,8 +38,8 @@ from codespec.daemon.engine.loading import (
     resolve_model_path,
 )
 from codespec.daemon.engine.slots import CacheSlots
+from codespec.daemon.engine.target import ModelTarget
 from codespec.daemon.prompts.fim import FimTokens, find_fim, stop_token_ids
-from codespec.speculators.costs import ForwardCosts
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 from codespec.speculators.verify import verify
 
@@ -161,8 +161,9 @@ class Verified:
     forward_tokens: int
 
 
-class Engine:
-    """A resident model with its KV caches; serves one request at a time."""
+class Engine(ModelTarget):
+    """A resident model with its KV caches; serves one request at a time. Proposers see
+    it as a :class:`~codespec.speculators.target.TargetModel` (:class:`ModelTarget`)."""
 
     def __init__(
         self,
@@ -187,8 +188,6 @@ class Engine:
         self.stop_ids = stop_token_ids(vocab, self.tokenizer.eos_token_id, self.fim)
         self.slots = CacheSlots(self.runner, max_slots)
         self.lock = threading.Lock()
-        # Measured forward + verification time by forward size (the policy's cost model).
-        self.costs = ForwardCosts()
 
     # -- the tokenizer, beside the model (the decode loop never uses it) -------------------
     def encode(self, text: str) -> list[int]:
@@ -230,6 +229,21 @@ class Engine:
         self.slots.record_prompt(prompt, common, out.hidden if taps else None)
         return out.logits[-1:], common
 
+    def warm(self, prompt: list[int], yield_to: Callable[[], bool], chunk: int = 128) -> int:
+        """Prefill ``prompt`` but its last token into its cache slot ahead of a request,
+        ``chunk`` tokens at a time, stopping early when ``yield_to()`` says a request
+        waits (what was fed stays cached). Returns the prompt tokens now cached."""
+        self.slots.pick(prompt)
+        common = self.slots.reusable(prompt, ())
+        self.runner.truncate(common)
+        pos, end = common, len(prompt) - 1
+        while pos < end and not yield_to():
+            n = min(chunk, end - pos)
+            self.runner.forward(prompt[pos : pos + n], last_only=True)
+            pos += n
+            self.slots.record_prompt(prompt[:pos], common, None)
+        return pos
+
     def verify_step(
         self,
         root: int,
@@ -257,7 +271,6 @@ class Engine:
         self.runner.keep(kept)
         tokens = [root] + [draft.tokens[a] for a in accepted] if draft is not None else [root]
         self.slots.record_step(base, tokens, fwd.hidden, kept)
-        self.costs.add(len(ids), ms)
         return Verified(accepted, bonus, logits, fwd.hidden, ms, len(ids))
 
     def _check(self, prompt_ids: list[int], params: GenParams) -> int:

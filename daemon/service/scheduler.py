@@ -68,14 +68,6 @@ class LockedIndex:
         self._index = index
         self.lock = lock
 
-    @property
-    def index(self) -> Any:
-        return self._index
-
-    def replace(self, index: Any) -> None:
-        with self.lock:
-            self._index = index
-
     def lookup(self, *args: Any, **kwargs: Any) -> Any:
         with self.lock:
             return self._index.lookup(*args, **kwargs)
@@ -164,6 +156,9 @@ class Scheduler:
         self.busy_s = 0.0
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
+        self._warm: dict[str, list[int]] = {}  # uri -> a prompt to prefill when idle
+        self.warmed = 0
+        self.warmed_tokens = 0
 
     # -- API (any thread) ---------------------------------------------------------------
     def start(self) -> None:
@@ -235,16 +230,31 @@ class Scheduler:
             "failed": self.failed,
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
+            "warmed": self.warmed,
+            "warmed_tokens": self.warmed_tokens,
             "proposers": sources,
         }
 
     # -- worker -------------------------------------------------------------------------
-    def _next(self) -> Job | None:
+    def warm(self, uri: str, prompt_ids: list[int]) -> None:
+        """Prefill ``prompt_ids`` (the prompt a completion in ``uri`` would use) when no
+        request is running or waiting; a newer prompt for ``uri`` replaces an older one
+        not started yet. Requests always go first: warming stops between chunks."""
         with self._cond:
-            while not self._queue and not self._stopping:
+            self._warm.pop(uri, None)
+            self._warm[uri] = list(prompt_ids)
+            self._cond.notify_all()
+
+    def _next(self) -> Job | list[int] | None:
+        """The next request, else the newest prompt to warm, else wait (None: stopping)."""
+        with self._cond:
+            while not self._queue and not self._warm and not self._stopping:
                 self._cond.wait()
-            if self._stopping and not self._queue:
-                return None
+            if self._stopping:
+                if not self._queue:
+                    return None
+            elif not self._queue:
+                return self._warm.pop(next(reversed(self._warm)))
             job = self._queue.popleft()
             self._running = job
             return job
@@ -254,6 +264,9 @@ class Scheduler:
             job = self._next()
             if job is None:
                 return
+            if not isinstance(job, Job):
+                self._warm_up(job)
+                continue
             try:
                 self._turn(job)
             except Exception as exc:  # a bug: fail this request, keep serving
@@ -264,6 +277,17 @@ class Scheduler:
                 with self._cond:
                     if self._running is job:
                         self._running = None
+
+    def _warm_up(self, prompt: list[int]) -> None:
+        try:
+            with self.engine.lock:
+                cached = self.engine.warm(prompt, lambda: bool(self._queue) or self._stopping)
+        except Exception:  # a warm-up is a guess: never let it take the worker down
+            log.exception("warming a prompt failed")
+            self.engine.reset_cache()
+            return
+        self.warmed += 1
+        self.warmed_tokens += cached
 
     def _others_waiting(self) -> bool:
         with self._cond:
