@@ -23,6 +23,8 @@ from codespec.daemon.engine.lean import LeanRunner, supports
 from codespec.daemon.engine.runner import HFRunner
 
 ATOL = 1e-4
+# The C++ stack keeps K and V in fp16 (relative rounding 2^-11): logits move ~1e-4
+STACK_ATOL = 1e-3
 VOCAB = 96
 SHAPE = dict(
     vocab_size=VOCAB,
@@ -91,12 +93,16 @@ def pair(request, tmp_path) -> tuple[LeanRunner, HFRunner]:
     return lean, HFRunner(model)
 
 
+def _atol(lean: LeanRunner) -> float:
+    return ATOL if lean.stack is None else STACK_ATOL
+
+
 def _close(lean: LeanRunner, hf: HFRunner, ids, parents=None) -> None:
     a = lean.forward(ids, parents).logits
     b = hf.forward(ids, parents).logits
     assert a.shape == b.shape == (len(ids), VOCAB)
     assert a.dtype == torch.float32
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    torch.testing.assert_close(a, b, atol=_atol(lean), rtol=0)
     assert lean.length == hf.length
 
 
@@ -192,16 +198,16 @@ def test_taps_equal_hf_hidden_states(pair) -> None:
     b = hf.forward(ids, taps=taps)
     assert a.hidden is not None and b.hidden is not None
     assert a.hidden.shape == (7, 3, lean.hidden_size)
-    torch.testing.assert_close(a.hidden, b.hidden, atol=ATOL, rtol=0)
+    torch.testing.assert_close(a.hidden, b.hidden, atol=_atol(lean), rtol=0)
     # the final norm of tap L gives the rows the LM head reads
     normed = torch.nn.functional.rms_norm(a.hidden[:, 2], (lean.hidden_size,), lean.norm, lean.eps)
-    torch.testing.assert_close(lean.project(normed), a.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lean.project(normed), a.logits, atol=_atol(lean), rtol=0)
     # tree forward with taps: same positions and masks for the hidden states
     parents = [-1, 0, 0]
     a = lean.forward(_ids(3, 17), parents, taps=(1,))
     b = hf.forward(_ids(3, 17), parents, taps=(1,))
-    torch.testing.assert_close(a.hidden, b.hidden, atol=ATOL, rtol=0)
-    torch.testing.assert_close(a.logits, b.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(a.hidden, b.hidden, atol=_atol(lean), rtol=0)
+    torch.testing.assert_close(a.logits, b.logits, atol=_atol(lean), rtol=0)
 
 
 def test_last_only_returns_the_last_row(pair) -> None:
@@ -215,10 +221,10 @@ def test_last_only_returns_the_last_row(pair) -> None:
         last = lean.forward(ids, last_only=True).logits
         lean.reset()
         assert last.shape == (1, full.shape[1])
-        torch.testing.assert_close(last, full[-1:], atol=ATOL, rtol=0)
+        torch.testing.assert_close(last, full[-1:], atol=_atol(lean), rtol=0)
         ref = hf.forward(ids, last_only=True).logits
         hf.reset()
-        torch.testing.assert_close(ref, full[-1:], atol=ATOL, rtol=0)
+        torch.testing.assert_close(ref, full[-1:], atol=_atol(lean), rtol=0)
 
 
 @pytest.mark.skipif(cpu_gemm.library() is None, reason="the CPU kernel is unavailable here")

@@ -1,84 +1,55 @@
 """The lean runner: a hand-written forward for the Llama family over a static KV cache.
 
-This module owns :class:`LeanRunner` and :func:`supports`. It loads a Hugging
-Face safetensors checkpoint directly (no ``transformers`` model object), fuses
-q/k/v and gate/up into one matrix each, preallocates the whole KV cache once and
-computes the RoPE tables once. One forward serves prefill, decode and draft-tree
-verification; they differ only in how many positions are fed and in the mask.
+This module owns :class:`LeanRunner` and :func:`supports`. It loads a Hugging Face
+safetensors checkpoint (:meth:`LeanRunner.from_pretrained`, no ``transformers`` model
+object) or a GGUF's own blocks (:meth:`LeanRunner.from_gguf`, :func:`from_model_folder`),
+preallocates the whole KV cache once and computes the RoPE tables once. One forward
+serves prefill, decode and draft-tree verification; they differ only in how many
+positions are fed and in the mask. It keeps the ``Runner`` contract of ``runner.py``
+(cache verbs, ``ForwardOut``, :func:`~codespec.daemon.engine.runner.tree_layout`) and
+must not change it: ``HFRunner`` is the reference the tests compare against. It knows
+nothing about tokenizers, sampling or proposers.
 
-It keeps the :class:`~codespec.daemon.engine.runner.Runner` contract of ``runner.py``
-(cache verbs, ``ForwardOut``, positions and masks from
-:func:`~codespec.daemon.engine.runner.tree_layout`) and must not change it: the engine
-swaps runners freely and ``HFRunner`` is the reference the tests compare against.
-It knows nothing about tokenizers, sampling or proposers.
+Architectures (see :func:`supports`): Llama, Qwen2 / Qwen2.5-Coder (q/k/v bias; any bias
+present is used) and Mistral, whose ``sliding_window`` is ignored (full attention equals
+it while the context is within the window). Scaled or partial RoPE, Qwen2's sliding
+window and activations other than SiLU are refused.
 
-Architectures (see :func:`supports`): Llama, Qwen2 / Qwen2.5-Coder (q/k/v bias;
-any bias present in the checkpoint is used) and Mistral. Mistral's
-``sliding_window`` is ignored: the runner always attends to the full cache, which
-equals Hugging Face's Mistral only while the context is within the window (4,096
-tokens for Mistral-7B-v0.1, no window for later versions). Qwen2 checkpoints with
-``use_sliding_window`` set, RoPE scaling of any kind, partial rotary embeddings
-or an activation other than SiLU are refused.
+Two ways to run, chosen at load:
 
-Attention layout: grouped-query attention is computed without repeating the
-cache. The ``g = heads / kv_heads`` query heads sharing one kv head are folded
-into the query-length axis, so SDPA sees queries ``(1, kv_heads, T * g, D)``
-against keys ``(1, kv_heads, S, D)``, the cache slice itself. Decode of one token
-needs no mask at all (it attends to every cached position); any ``T > 1`` gets an
-explicit float mask built once per forward and shared by all layers. A chain
-appended after a cache is *not* SDPA's ``is_causal`` (that one is aligned top
-left: query t would see keys ``0..t``); it needs key ``s`` visible to query t when
-``s <= length + t``, which is what the mask says.
+- **The stack** (:mod:`~codespec.daemon.engine.qstack`, C++): on the CPU, with products
+  through ``cpu_gemm`` panels (fp32 / fp16 / bf16: an fp32 checkpoint, or
+  :meth:`LeanRunner.half_panels`) or GGUF blocks (``quant_gemm``), the whole decoder stack
+  is one call per forward, over an fp16 KV cache (attention products in fp32). Every row
+  equals, bit for bit, the one-token forward at its place (verify rows equal decode rows,
+  chains and trees), on every ISA and thread count.
+- **torch** (``kernels=False``, CUDA, or no compiler): the layers below in torch, q/k/v
+  and gate/up fused, weights stored ``(in, out)`` and applied as ``x @ W`` (MKL runs a
+  one-row product ~1.5x faster in that layout), fp32 (bf16 on CUDA) cache; forwards of
+  at most ``lean_torch.KERNEL_ATTENTION_ROWS`` tokens take ``cpu_gemm.attention`` when the
+  kernel exists, longer ones SDPA. Grouped-query attention folds the ``g`` query heads of
+  a kv head into the query axis, so SDPA reads the cache slice itself; a chain after a
+  cache needs an explicit mask (SDPA's ``is_causal`` is aligned top left).
+  ``compile=True`` wraps the stack in ``torch.compile`` (slower than eager on the CPU
+  here: 12-22 ms against 4.2-4.7 ms a decode step of a 4x384 model).
 
-Taps: tap 0 is the embeddings, tap ``l`` the output of decoder layer ``l`` and tap
-``L`` (the last layer) its output *before* the final norm, as the contract in
-``runner.py`` says. Hugging Face's ``output_hidden_states`` agrees for taps
-``0 .. L-1``; its last entry is the output *after* the final norm (checked with
-transformers 5.24), so ``HFRunner``'s tap ``L`` is ``norm(LeanRunner's tap L)``.
-
-Long chains (prefill) are fed in chunks of ``chunk`` tokens so that masks stay
-small; trees are never chunked.
-
-Weights are stored transposed, ``(in, out)``, and applied as ``x @ W`` (residual
-adds fused into ``addmm``): on this CPU (MKL, fp32) a one-row product runs at
-~14 GB/s in that layout against ~9 GB/s for ``F.linear`` over ``(out, in)``, the
-difference that matters for decode; for 16+ rows both layouts cost the same.
-
-CPU kernel: with fp32 weights on an x86-64 CPU with AVX2 and FMA (``kernels=None``
-picks it when it builds, ``False`` keeps torch's products), every weight is
-repacked once into ``cpu_gemm`` panels and every product goes through that
-kernel. MKL costs about M one-row products for M = 2 .. 8 rows here, the kernel
-about one for M <= 4, so verifying a small draft is cheap; and its rows do not
-depend on the other rows of a call (``codespec bench runner`` shows lean vs
-torch). Every RMSNorm, and the attention of forwards of at most
-``KERNEL_ATTENTION_ROWS`` tokens, go through the same library; larger forwards
-keep SDPA, so their logits are not bit-equal to decode steps'.
-
-Devices: fp32 on the CPU, bf16 on CUDA (``dtype`` overrides), the same code on
-both; CUDA gets SDPA's fused kernels for the explicit masks. ``compile=True``
-wraps the decoder stack in ``torch.compile(dynamic=True)`` (no CUDA graphs: the
-cache length changes every step). It is off by default because on the CPU it
-made decode slower, not faster (torch 2.13 inductor, embedded 4x384 model at
-1,300 tokens, one thread: 4.2-4.7 ms eager vs 12-22 ms compiled, steady state).
+Taps: tap 0 is the embeddings, tap ``l`` the output of decoder layer ``l`` and tap ``L``
+its output *before* the final norm (``HFRunner``'s last entry is after it). Long chains
+(prefill) are fed in chunks of ``chunk`` tokens; trees never are.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from codespec.daemon.engine import cpu_gemm
+from codespec.daemon.engine import cpu_gemm, gguf_weights, lean_torch, qstack, quant_gemm
 from codespec.daemon.engine.runner import ForwardOut, check_forward, check_keep, tree_layout
 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
-# Forwards of at most this many tokens take cpu_gemm's attention (with the kernels on):
-# 2x faster than SDPA for one token, about even for two, slower from four on (the
-# kernel does not tile queries), measured at 256-4,000 cached tokens.
-KERNEL_ATTENTION_ROWS = 2
 
 
 def _rope_params(config: Any) -> tuple[str, float, float]:
@@ -118,44 +89,26 @@ def supports(config: Any) -> bool:
     return kv > 0 and heads % kv == 0
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a (possibly sharded) safetensors checkpoint folder, on the CPU."""
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        shards = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"no model.safetensors (or index) in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(path / shard)))
-    return state
-
-
 class LeanRunner:
     """Static-cache runner for the Llama family (the ``Runner`` protocol of ``runner.py``).
 
-    The KV cache is one tensor ``(layers, 2, kv_heads, max_length, head_dim)``:
-    ``forward`` writes rows ``length .. length+T`` by slice, ``truncate`` only moves
-    ``length``, ``keep`` gathers the kept appended rows down in one op for all
-    layers. Build it with :meth:`from_pretrained` or :meth:`from_hf_model`.
-    """
+    The KV cache is one tensor (``_new_cache``), written by ``forward`` at rows ``length ..
+    length+T``; ``truncate`` only moves ``length``, ``keep`` gathers the kept rows down.
+    Build it with :meth:`from_pretrained`, :meth:`from_hf_model` or :meth:`from_gguf`."""
 
     name = "lean"
 
     def __init__(
         self,
         config: Any,
-        state: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor] | gguf_weights.GGUFWeights,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         max_length: int | None = None,
         chunk: int = 256,
         compile: bool = False,
         kernels: bool | None = None,
+        int8: bool = False,
     ) -> None:
         if not supports(config):
             raise ValueError(f"the lean runner does not support this config ({config.model_type})")
@@ -163,6 +116,32 @@ class LeanRunner:
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = dtype
+        self._shape(config, max_length, chunk)
+        self.gguf = isinstance(state, gguf_weights.GGUFWeights)
+        self.int8 = bool(int8) and self.gguf  # block products x rounded to int8 (inexact)
+        if self.gguf:
+            if self.device.type != "cpu" or dtype != torch.float32 or compile or kernels is False:
+                raise ValueError("a GGUF's blocks run on the CPU, in fp32, uncompiled")
+            self._load_gguf(state)
+            self.kernels = True
+        else:
+            self._load(state, bool(getattr(config, "tie_word_embeddings", False)))
+            self.kernels = self._use_kernels(kernels, compile)
+            if self.kernels:
+                self._pack()
+        self._rope_tables(config)
+        self._len = 0
+        self._pending = 0  # tokens appended by the last forward, for keep()
+        self._layers_fn = functools.partial(lean_torch.layers, self)
+        if compile:
+            self._layers_fn = torch.compile(self._layers_fn, dynamic=True)
+        self.stack: qstack.Stack | None = None
+        self._build_stack()
+        if self.gguf and self.stack is None:
+            raise RuntimeError(f"the decoder stack is unavailable: {self._stack_reason}")
+        self._new_cache()
+
+    def _shape(self, config: Any, max_length: int | None, chunk: int) -> None:
         self.config = config
         self.vocab_size = int(config.vocab_size)
         self.num_layers = int(config.num_hidden_layers)
@@ -174,14 +153,12 @@ class LeanRunner:
         self.group = self.n_heads // self.n_kv
         self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.n_heads)
         self.eps = float(config.rms_norm_eps)
-        self._load(state, bool(getattr(config, "tie_word_embeddings", False)))
-        self.kernels = self._use_kernels(kernels, compile)
-        if self.kernels:
-            self._pack()
+        self.inter = int(config.intermediate_size)
 
-        # RoPE tables for every position, computed once (fp32 as HF, then cast).
+    def _rope_tables(self, config: Any) -> None:
+        """cos / signed sin for every position, computed once (fp32 as HF, then cast)."""
         _, theta, _ = _rope_params(config)
-        d = self.head_dim
+        d, dtype = self.head_dim, self.dtype
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         pos = torch.arange(self.max_length, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]  # (max_length, D/2)
@@ -190,16 +167,35 @@ class LeanRunner:
         self.cos = emb.cos().to(device=self.device, dtype=dtype)
         # rotate_half(x) * sin == roll(x, D/2) * [-sin | sin]
         self.sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], -1).to(self.device, dtype)
-
-        self.kv = torch.zeros(
-            (self.num_layers, 2, self.n_kv, self.max_length, d), dtype=dtype, device=self.device
-        )  # (L, 2, KV, S_max, D)
         self._arange = torch.arange(self.max_length + self.chunk, device=self.device)
-        self._len = 0
-        self._pending = 0  # tokens appended by the last forward, for keep()
-        self._layers_fn = self._layers
-        if compile:
-            self._layers_fn = torch.compile(self._layers, dynamic=True)
+
+    def _new_cache(self) -> None:
+        """The stack's fp16 cache (see ``qstack``), else ``(L, 2, KV, S_max, D)``."""
+        if self.stack is not None:
+            self.kv = qstack.cache(self.num_layers, self.n_kv, self.head_dim, self.max_length)
+            return
+        shape = (self.num_layers, 2, self.n_kv, self.max_length, self.head_dim)
+        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _build_stack(self) -> None:
+        """Run through the C++ stack where every matrix is panels or blocks (CPU kernels)."""
+        self.stack, self._stack_reason = None, "the CPU kernels are off"
+        if not self.kernels:
+            return
+        specs = [_layer_spec(layer) for layer in self.layers]
+        mats = [self.lm_head_t] + [w for s in specs for w, _ in s["qkv"] + s["gu"]]
+        mats += [s[k][0] for s in specs for k in ("o", "down")]
+        if not all(qstack.is_matrix(w) for w in mats):
+            self._stack_reason = "a matrix is not in panels (a size not a multiple of 16)"
+            return
+        embed = self._embed_q if self.gguf else self.embed
+        cfg = dict(hidden=self.hidden_size, heads=self.n_heads, kv_heads=self.n_kv)
+        cfg.update(head_dim=self.head_dim, inter=self.inter, vocab=self.vocab_size, eps=self.eps)
+        cfg.update(cos=self.cos, sin=self.sin, int8=self.int8)
+        try:
+            self.stack = qstack.Stack(cfg, specs, self.norm, embed, self.lm_head_t)
+        except (RuntimeError, ValueError) as exc:
+            self._stack_reason = str(exc)
 
     # -- construction --------------------------------------------------------------------
 
@@ -218,7 +214,7 @@ class LeanRunner:
 
         path = Path(path)
         config = AutoConfig.from_pretrained(str(path))
-        state = _load_safetensors(path)
+        state = lean_torch.load_safetensors(path)
         return cls(config, state, device, dtype, max_length, compile=compile, kernels=kernels)
 
     @classmethod
@@ -236,64 +232,49 @@ class LeanRunner:
             model.config, state, p.device, p.dtype, max_length, compile=compile, kernels=kernels
         )
 
+    @classmethod
+    def from_gguf(
+        cls,
+        path: str | Path | gguf_weights.GGUFFile,
+        config: Any = None,
+        max_length: int | None = None,
+        chunk: int = 256,
+        int8: bool = False,
+    ) -> LeanRunner:
+        """Run a GGUF from its own blocks (see ``gguf_weights``); ``config``: an HF-style
+        config (default: the GGUF's metadata); ``int8``: products with x rounded to int8
+        (``quant_gemm.linear_i8``, not exact: plain decoding with it is its own reference)."""
+        g = path if isinstance(path, gguf_weights.GGUFFile) else gguf_weights.read(path)
+        config = config if config is not None else gguf_weights.config_from_meta(g)
+        w = gguf_weights.load(g, config)
+        return cls(config, w, max_length=max_length, chunk=chunk, int8=int8)
+
+    def _load_gguf(self, w: gguf_weights.GGUFWeights) -> None:
+        self.norm = w.norm
+        self.layers: list[Any] = w.layers
+        self.lm_head_t: Any = w.head  # a QuantMatrix, (V, H) blocks
+        self._embed_q = w.embed
+        self._embed_full: torch.Tensor | None = None
+
+    @property
+    def embed(self) -> torch.Tensor:
+        """The token embedding ``(V, H)``: a GGUF's is widened on first use (for proposers
+        that read it; the runner looks up rows from the blocks)."""
+        if self.gguf:
+            if self._embed_full is None:
+                self._embed_full = self._embed_q.dequantize()
+            return self._embed_full
+        return self._embed
+
+    @embed.setter
+    def embed(self, value: torch.Tensor) -> None:
+        self._embed = value
+
     def _load(self, state: dict[str, torch.Tensor], tied: bool) -> None:
-        """Fuse and move the weights; biases are used wherever the checkpoint has them."""
-
-        def get(name: str) -> torch.Tensor:
-            return state[name].to(device=self.device, dtype=self.dtype).contiguous()
-
-        def opt(name: str) -> torch.Tensor | None:
-            return get(name) if name in state else None
-
-        def cat_opt(names: list[str], sizes: list[int]) -> torch.Tensor | None:
-            if not any(n in state for n in names):
-                return None
-            parts = [
-                get(n) if n in state else torch.zeros(s, device=self.device, dtype=self.dtype)
-                for n, s in zip(names, sizes, strict=True)
-            ]
-            return torch.cat(parts)
-
-        def t(w: torch.Tensor) -> torch.Tensor:  # (out, in) -> (in, out), see the docstring
-            return w.t().contiguous()
-
-        d = self.head_dim
-        self.embed = get("model.embed_tokens.weight")  # (V, H)
-        if tied:
-            head = self.embed
-        elif "lm_head.weight" in state:
-            head = get("lm_head.weight")
-        else:
-            raise KeyError("lm_head.weight missing and tie_word_embeddings is false")
-        # The tied head is a (H, V) copy on the CPU (the fast layout there), a view on CUDA.
-        self.lm_head_t = head.t() if self.device.type == "cuda" and tied else t(head)  # (H, V)
-        self.norm = get("model.norm.weight")
-        q_out, kv_out = self.n_heads * d, self.n_kv * d
-        self.inter = int(self.config.intermediate_size)
-        layers = []
-        for i in range(self.num_layers):
-            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            qkv_names = [a + "q_proj", a + "k_proj", a + "v_proj"]
-            wqkv = t(torch.cat([get(n + ".weight") for n in qkv_names]))  # (H, Q+2K)
-            bqkv = cat_opt([n + ".bias" for n in qkv_names], [q_out, kv_out, kv_out])
-            gu_names = [m + "gate_proj", m + "up_proj"]
-            wgu = t(torch.cat([get(n + ".weight") for n in gu_names]))  # (H, 2I)
-            bgu = cat_opt([n + ".bias" for n in gu_names], [self.inter, self.inter])
-            layers.append(
-                (
-                    get(f"model.layers.{i}.input_layernorm.weight"),
-                    wqkv,
-                    bqkv,
-                    t(get(a + "o_proj.weight")),  # (NH*D, H)
-                    opt(a + "o_proj.bias"),
-                    get(f"model.layers.{i}.post_attention_layernorm.weight"),
-                    wgu,
-                    bgu,
-                    t(get(m + "down_proj.weight")),  # (I, H)
-                    opt(m + "down_proj.bias"),
-                )
-            )
-        self.layers = layers
+        """Fuse and move the weights (``lean_torch.load_state``)."""
+        self.embed, self.lm_head_t, self.norm, self.layers = lean_torch.load_state(
+            self, state, tied
+        )
 
     def _use_kernels(self, wanted: bool | None, compile: bool) -> bool:
         """Whether products go through ``cpu_gemm`` (auto: fp32 on the CPU, not compiled)."""
@@ -324,7 +305,7 @@ class LeanRunner:
         bf16, whichever holds every weight of a matrix: those read from an fp16 or a bf16
         checkpoint): the same products, bit for bit, for half the bytes each forward
         streams. Returns the bytes saved (0 without the kernels)."""
-        if not self.kernels:
+        if not self.kernels or self.gguf:
             return 0
         saved = 0
 
@@ -343,10 +324,14 @@ class LeanRunner:
             (ln1, h(wqkv), bqkv, h(wo), bo, ln2, h(wgu), bgu, h(wd), bd)
             for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in self.layers
         ]
+        if saved and self.stack is not None:
+            self._build_stack()  # the same cache: only the weights' pointers changed
         return saved
 
     def project(self, normed: torch.Tensor) -> torch.Tensor:
         """LM-head logits of final-normed hidden states ``(T, H)``."""
+        if self.gguf:
+            return quant_gemm.linear(normed.float().contiguous(), self.lm_head_t)
         return cpu_gemm.linear(normed, self.lm_head_t, None, None)
 
     # -- cache verbs ---------------------------------------------------------------------
@@ -380,7 +365,9 @@ class LeanRunner:
         base = self._len - t
         idx = list(indices)
         check_keep(idx, t)
-        if idx != list(range(len(idx))):
+        if idx != list(range(len(idx))) and self.stack is not None:
+            self.stack.keep(self.kv, base, idx)
+        elif idx != list(range(len(idx))):
             rows = torch.tensor(idx, device=self.device) + base
             self.kv[:, :, :, base : base + len(idx)] = self.kv.index_select(3, rows)
         self._len = base + len(idx)
@@ -433,102 +420,86 @@ class LeanRunner:
         """
         n, past = len(ids), self._len
         total = past + n
-        x = F.embedding(torch.tensor(ids, device=self.device), self.embed)  # (T, H)
-        if anc is None:
-            cos, sin = self.cos[past:total], self.sin[past:total]  # (T, D)
-        else:
-            pos = torch.tensor(depth, device=self.device) + past
-            cos, sin = self.cos[pos], self.sin[pos]
-        mask = None
-        if n > 1:
-            if anc is None:  # chain after the cache: key s visible to query t iff s <= past + t
-                allowed = self._arange[:total][None, :] <= self._arange[past:total][:, None]
-            else:
-                allowed = torch.ones((n, total), dtype=torch.bool, device=self.device)
-                allowed[:, past:] = anc.to(self.device)
-            m = torch.zeros((n, total), dtype=self.dtype, device=self.device)
-            m.masked_fill_(~allowed, float("-inf"))
-            # rows of the grouped query are (t, g) pairs, t-major: repeat each row g times
-            mask = m[:, None, :].expand(n, self.group, total).reshape(n * self.group, total)
-        hidden = None
-        if taps:
-            hidden = torch.empty(
-                (n, len(taps), self.hidden_size), dtype=torch.float32, device=self.device
-            )
-        x = self._layers_fn(x, cos[:, None, :], sin[:, None, :], mask, anc, past, taps, hidden)
-        if rows == "last":
-            x = x[-1:]
-        elif rows == "none":
-            x = x[:0]
-        logits = self.project(cpu_gemm.norm(x, self.norm, self.eps, self.kernels))
-        self._len = total
-        return ForwardOut(logits=logits.float(), hidden=hidden)
+        if self.stack is not None:  # the whole stack in one C++ call
+            pos = None if anc is None else [past + d for d in depth or []]
+            first = {"all": 0, "last": n - 1, "none": n}[rows]
+            logits, hidden = self.stack.forward(self.kv, past, ids, pos, anc, taps, first)
+            self._len = total
+            return ForwardOut(logits=logits, hidden=hidden)
+        return lean_torch.forward_chunk(self, ids, depth, anc, taps, rows)
 
-    def _layers(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        anc: torch.Tensor | None,
-        past: int,
-        taps: tuple[int, ...],
-        hidden: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The decoder stack over ``x`` (T, H); writes this chunk's K/V and the taps."""
-        n = x.shape[0]
-        nh, nkv, g, d = self.n_heads, self.n_kv, self.group, self.head_dim
-        total = past + n
-        qk_w = (nh + nkv) * d
-        slots: list[list[int]] = [[] for _ in range(self.num_layers + 1)]  # tap l -> columns
-        for j, t in enumerate(taps):
-            slots[t].append(j)
-        for j in slots[0]:
-            hidden[:, j] = x
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(self.layers):
-            kc, vc = self.kv[i, 0], self.kv[i, 1]  # (KV, S_max, D)
-            a = cpu_gemm.norm(x, ln1, self.eps, self.kernels)
-            a = cpu_gemm.linear(a, wqkv, bqkv, None)  # (T, (NH+2KV)*D)
-            qk = a[:, :qk_w].view(n, nh + nkv, d)  # (T, NH+KV, D)
-            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE
-            kc[:, past:total] = qk[:, nh:].transpose(0, 1)  # (KV, T, D)
-            vc[:, past:total] = a[:, qk_w:].view(n, nkv, d).transpose(0, 1)
-            q = qk[:, :nh].reshape(n, nkv, g, d).transpose(0, 1).reshape(1, nkv, n * g, d)
-            if n <= KERNEL_ATTENTION_ROWS and self.kernels:  # K and V read once for all rows
-                o = cpu_gemm.attention(q[0], kc, vc, past, n, anc)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q, kc[None, :, :total], vc[None, :, :total], attn_mask=mask
-                )  # (1, KV, T*G, D)
-            o = o.view(nkv, n, g * d).transpose(0, 1).reshape(n, nh * d)  # (T, NH*D)
-            x = cpu_gemm.linear(o, wo, bo, x)  # residual fused in
-            gu = cpu_gemm.norm(x, ln2, self.eps, self.kernels)
-            gu = cpu_gemm.linear(gu, wgu, bgu, None)  # (T, 2I)
-            gu = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]  # (T, I)
-            x = cpu_gemm.linear(gu, wd, bd, x)
-            for j in slots[i + 1]:
-                hidden[:, j] = x
-        return x
+
+def from_model_folder(
+    folder: str | Path, max_length: int | None = None, int8: bool = False
+) -> tuple[LeanRunner, Any] | None:
+    """The lean runner over the GGUF a cached model folder was made from (its manifest
+    names it; ``models``), run from its blocks on the CPU; None when the folder has no
+    GGUF or the runner cannot run it as it is (the caller loads the folder instead).
+    Reads ``config.json`` as plain JSON: no ``transformers`` import."""
+    from codespec.daemon.engine import models
+
+    folder = Path(folder)
+    manifest = models.read_manifest(folder)
+    path = models.CachedModel(folder, manifest).gguf if manifest else None
+    if path is None:
+        return None
+    try:
+        g = gguf_weights.read(path)
+        cfg_file = folder / "config.json"
+        config = (
+            gguf_weights.config_from_json(cfg_file)
+            if cfg_file.is_file()
+            else gguf_weights.config_from_meta(g)
+        )
+    except (gguf_weights.GGUFError, OSError, ValueError):
+        return None
+    if not supports(config) or gguf_weights.unsupported(g, config):
+        return None
+    return LeanRunner.from_gguf(g, config, max_length=max_length, int8=int8), config
+
+
+def _layer_spec(layer: Any) -> dict[str, Any]:
+    """A layer as ``qstack.Stack`` takes it (a GGUF's layers already are)."""
+    if isinstance(layer, dict):
+        return layer
+    ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd = layer
+    return {"ln1": ln1, "ln2": ln2, "qkv": [(wqkv, bqkv)], "o": (wo, bo)} | {
+        "gu": [(wgu, bgu)],
+        "down": (wd, bd),
+    }
+
+
+def _weights(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return [w for v in obj.values() for w in _weights(v)]
+    if isinstance(obj, list | tuple):
+        return [w for v in obj for w in _weights(v)]
+    return [] if obj is None else [obj]
 
 
 def param_bytes(runner: LeanRunner) -> int:
-    """Bytes of weights one forward reads (the tied embedding counted once, as the LM head)."""
+    """Bytes of weights one forward reads (the tied embedding counted once, as the LM head;
+    GGUF blocks as stored)."""
     seen: set[int] = set()
     total = 0
-    tensors = [runner.lm_head_t, runner.norm]
-    for layer in runner.layers:
-        tensors.extend(t for t in layer if t is not None)
-    for t in tensors:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+    for t in _weights([runner.lm_head_t, runner.norm, runner.layers]):
+        if isinstance(t, quant_gemm.QuantMatrix):
+            ptr, size = t.panels.data_ptr(), t.nbytes
+        else:
+            ptr, size = t.data_ptr(), t.numel() * t.element_size()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += size
     return total
 
 
 def kv_bytes(runner: LeanRunner, tokens: int) -> int:
     """Bytes of K and V that attention reads over ``tokens`` cached positions."""
+    if runner.stack is not None:  # fp16 K tiles and V rows of Dp
+        d = runner.head_dim + qstack.head_dim_padded(runner.head_dim)
+        return runner.num_layers * runner.n_kv * d * 2 * tokens
     per_token = runner.num_layers * 2 * runner.n_kv * runner.head_dim * runner.kv.element_size()
     return per_token * tokens
 
 
-__all__ = ["LeanRunner", "kv_bytes", "param_bytes", "supports"]
+__all__ = ["LeanRunner", "from_model_folder", "kv_bytes", "param_bytes", "supports"]

@@ -54,6 +54,10 @@ from codespec.daemon.engine.cpu_gemm import (
 )
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
+# Built into the same library: the lean runner's decoder stack (``qstack``), which calls
+# the products directly.
+SOURCES = (SOURCE, SOURCE.parent / "stack.cpp")
+HEADERS = (SOURCE.parent / "lean_ops.h",)
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 PANEL = 16  # output rows per panel; a matrix's rows are padded with zero blocks to a multiple
 ISA_ENV = "CODESPEC_QGEMM_ISA"
@@ -77,7 +81,8 @@ _loaded = False
 
 
 def _target(out_dir: Path) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     return out_dir / f"qgemm-{key}.so"
 
 
@@ -88,7 +93,10 @@ def _build(cxx: str, target: Path) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+            [cxx, *FLAGS, *map(str, SOURCES), "-o", tmp],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
@@ -121,6 +129,10 @@ def _load() -> None:
         ("cs_q_pack", None, [i32, ptr, i64, i64, ptr]),
         ("cs_q_unpack", None, [i32, ptr, i64, i64, ptr]),
         ("cs_q_dequant", None, [i32, ptr, i64, i64, ptr, i32]),
+        ("cs_q_rows", None, [i32, ptr, i64, i64, ptr, i64, ptr, i64]),
+        ("cs_lean_version", i32, []),
+        ("cs_lean_forward", i32, [ptr, ptr]),
+        ("cs_lean_keep", None, [ptr, i64, i64, i64, i64, i64, ptr, i64]),
         ("cs_qgemm", i32, [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32]),
         (
             "cs_qgemm_i8",
@@ -286,6 +298,23 @@ class QuantMatrix:
         code = ISAS[isa or default_isa()]
         _required().cs_q_dequant(
             self.ggml_type, self.panels.data_ptr(), self.n, self.k, out.data_ptr(), code
+        )
+        return out
+
+    def rows(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """Rows ``ids`` widened to fp32, ``(len(ids), k)``: an embedding lookup from the
+        blocks (ids outside ``0 .. n-1`` give zeros)."""
+        idx = torch.as_tensor(ids, dtype=torch.int64).contiguous().reshape(-1)
+        out = torch.empty((idx.numel(), self.k), dtype=torch.float32)
+        _required().cs_q_rows(
+            self.ggml_type,
+            self.panels.data_ptr(),
+            self.n,
+            self.k,
+            idx.data_ptr(),
+            idx.numel(),
+            out.data_ptr(),
+            self.k,
         )
         return out
 

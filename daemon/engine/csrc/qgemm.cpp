@@ -1188,6 +1188,31 @@ void cs_q_unpack(int t, const uint8_t* P, int64_t N, int64_t K, uint8_t* raw) {
   }
 }
 
+// Rows ids[0 .. n) of W, widened to fp32 into out (n x ldo): an embedding lookup from the
+// blocks (the scalar widening, which every path equals). Rows outside 0 .. N-1 are zeros.
+void cs_q_rows(int t, const uint8_t* P, int64_t N, int64_t K, const int64_t* ids, int64_t n,
+               float* out, int64_t ldo) {
+  Desc ds;
+  if (!desc_of(t, ds)) return;
+  const int64_t nb = K / ds.bk, npanel = (N + 15) / 16;
+  std::vector<float> S(256 * 16);
+  std::vector<uint8_t> tmp(16 * ds.native);
+  for (int64_t i = 0; i < n; ++i) {
+    float* o = out + i * ldo;
+    const int64_t row = ids[i];
+    if (row < 0 || row >= N) {
+      memset(o, 0, K * sizeof(float));
+      continue;
+    }
+    const Ref r = ref_of(P, npanel, nb * 16 * ds.native, row / 16, 16 * ds.native);
+    for (int64_t b = 0; b < nb; ++b) {
+      gather_block(ds, r, b, tmp.data());
+      widen_block_scalar(t, tmp.data(), S.data());
+      for (int k = 0; k < ds.bk; ++k) o[b * ds.bk + k] = S[16 * k + row % 16];
+    }
+  }
+}
+
 // The widened weights W[N][K] (fp32), by isa's widening code.
 void cs_q_dequant(int t, const uint8_t* P, int64_t N, int64_t K, float* out, int isa) {
   Desc ds;

@@ -1,0 +1,325 @@
+// The lean runner's decoder stack, written once over a 16-lane vector V (csrc/stack.cpp
+// includes this file once per ISA, inside that ISA's namespace and target options, after
+// defining V and its primitives: vzero vset vld vst vld_n vst_n vldh vadd vsub vmul vdiv
+// vfma vmax vmin vrint vexp2i vfirst vhsum vhmax, and f2h for one value).
+//
+// Every result is a function of its own row only: sums run in a fixed order (per lane, in
+// order, then a fixed tree across the 16 lanes), exp is one polynomial, elementwise steps
+// are single IEEE operations (the file is built with -ffp-contract=off). So the three ISAs
+// agree bit for bit, and a row of a T-token forward equals the one-token forward at its
+// position (what lossless speculation needs: verify rows equal decode rows).
+// No include guard: included once per ISA namespace.
+
+inline V vexp(V x) {  // exp(x), Cephes' 2^f polynomial (relative error ~2e-7)
+  x = vmin(vmax(x, vset(-87.0f)), vset(88.0f));
+  const V t = vmul(x, vset(1.44269504088896341f));
+  const V n = vrint(t);
+  const V f = vsub(t, n);
+  V p = vset(1.535336188319500e-4f);
+  p = vfma(p, f, vset(1.339887440266574e-3f));
+  p = vfma(p, f, vset(9.618437357674640e-3f));
+  p = vfma(p, f, vset(5.550332471162809e-2f));
+  p = vfma(p, f, vset(2.402264791363012e-1f));
+  p = vfma(p, f, vset(6.931472028550421e-1f));
+  p = vfma(p, f, vset(1.0f));
+  return vmul(p, vexp2i(n));
+}
+
+inline float sexp(float x) {  // the same exp for one value (lane 0)
+  float out[16];
+  vst(out, vexp(vset(x)));
+  return out[0];
+}
+
+// y = x / sqrt(mean(x^2) + eps) * w, row by row.
+void rmsnorm(const float* x, int64_t M, int64_t H, int64_t ldx, const float* w, float eps,
+             float* y, int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    float* yr = y + m * ldy;
+    V acc = vzero();
+    for (int64_t h = 0; h < H; h += 16) {
+      const V v = h + 16 <= H ? vld(xr + h) : vld_n(xr + h, H - h);
+      acc = vfma(v, v, acc);
+    }
+    const float r = 1.0f / std::sqrt(vhsum(acc) / static_cast<float>(H) + eps);
+    for (int64_t h = 0; h < H; ++h) yr[h] = (xr[h] * r) * w[h];
+  }
+}
+
+// y = silu(g) * u for the rows of gu = [g | u] (T, 2I) -> (T, I).
+void silu_mul(const float* gu, int64_t T, int64_t I, float* y) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gu + t * 2 * I;
+    const float* u = g + I;
+    float* yr = y + t * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const int64_t n = I - i < 16 ? I - i : 16;
+      const V gv = n == 16 ? vld(g + i) : vld_n(g + i, n);
+      const V uv = n == 16 ? vld(u + i) : vld_n(u + i, n);
+      const V e = vexp(vsub(vzero(), gv));
+      const V s = vmul(vdiv(gv, vadd(vset(1.0f), e)), uv);
+      if (n == 16) vst(yr + i, s); else vst_n(yr + i, s, n);
+    }
+  }
+}
+
+// RoPE of one head row (rotate-half form, tables cos / signed sin of D values).
+inline void rope(const float* x, const float* c, const float* s, int64_t D, float* y) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * c[i] + x[i < h ? i + h : i - h] * s[i];
+}
+
+// q heads: rotated and scaled into qs (T, NH, D); k, v: rotated / copied into the cache as
+// fp16 (K in tiles of 16 keys, V in rows of Dp), values clamped to fp16's range.
+void rope_store(const Model& m, const Fwd& f, const float* qkv, float* qs, uint16_t* kc,
+                uint16_t* vc) {
+  const int64_t D = m.head_dim, NH = m.heads, KV = m.kv_heads, Dp = pad16(D);
+  const int64_t QW = (NH + 2 * KV) * D;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  std::vector<float> tmp(D);
+  for (int64_t t = 0; t < f.T; ++t) {
+    const float* c = m.cos + f.pos[t] * D;
+    const float* s = m.sin + f.pos[t] * D;
+    const float* row = qkv + t * QW;
+    for (int64_t hq = 0; hq < NH; ++hq) {
+      float* dst = qs + (t * NH + hq) * D;
+      rope(row + hq * D, c, s, D, dst);
+      for (int64_t d = 0; d < D; ++d) dst[d] = dst[d] * scale;
+    }
+    const int64_t r = f.past + t;
+    for (int64_t h = 0; h < KV; ++h) {
+      rope(row + (NH + h) * D, c, s, D, tmp.data());
+      uint16_t* kt = kc + h * f.s_max * D + (r / 16) * D * 16 + r % 16;
+      for (int64_t d = 0; d < D; ++d) kt[16 * d] = f2h(clamp_h(tmp[d]));
+      const float* v = row + (NH + KV + h) * D;
+      uint16_t* vr = vc + (h * f.s_max + r) * Dp;
+      for (int64_t d = 0; d < Dp; ++d) vr[d] = d < D ? f2h(clamp_h(v[d])) : 0;
+    }
+  }
+}
+
+// Scores of R rows against TT tiles of 16 keys: R * TT independent FMA chains per step
+// (an FMA's latency is ~4 cycles: fewer chains leave the units idle).
+template <int R, int TT>
+inline void score_tiles(const float* const* q, int64_t D, const uint16_t* const* kt, float* s,
+                        int64_t ld) {
+  V acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < TT; ++i) acc[r][i] = vzero();
+  for (int64_t d = 0; d < D; ++d) {
+    V kv[TT];
+    for (int i = 0; i < TT; ++i) kv[i] = vldh(kt[i] + 16 * d);
+    for (int r = 0; r < R; ++r) {
+      const V qv = vset(q[r][d]);
+      for (int i = 0; i < TT; ++i) acc[r][i] = vfma(qv, kv[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < TT; ++i) vst(s + r * ld + 16 * i, acc[r][i]);
+}
+
+// o[r][dc .. dc + 16 NC] = sum_j p[r][j] v_j over keys j < nk, in order: R * NC chains.
+template <int R, int NC>
+inline void weigh_keys(const float* p, int64_t ld, int64_t nk, const uint16_t* const* vrow,
+                       int64_t dc, float* const* part) {
+  V o[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) o[r][c] = vzero();
+  for (int64_t j = 0; j < nk; ++j) {
+    V v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = vldh(vrow[j] + dc + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const V pv = vset(p[r * ld + j]);
+      for (int c = 0; c < NC; ++c) o[r][c] = vfma(pv, v[c], o[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) vst(part[r] + 2 + dc + 16 * c, o[r][c]);
+}
+
+// One chunk of keys for R query rows: scores, the chunk's softmax (max m, sum l) and its
+// weighted values o. nvalid[r]: keys of the chunk row r sees (its first ones); nk: the
+// most of them. Keys past a row's nvalid get weight 0 (their values are finite: adding
+// 0 * v to a sum changes nothing), so each row's numbers depend on its keys only.
+template <int R>
+void chunk_rows(const float* const* q, const int64_t* nvalid, int64_t nk, int64_t D, int64_t Dp,
+                const uint16_t* const* ktile, const uint16_t* const* vrow, float* const* part) {
+  alignas(64) float s[R * CHUNK];
+  const int64_t ntile = (nk + 15) / 16;
+  constexpr int TT = R <= 2 ? 4 : 2;
+  int64_t i = 0;
+  for (; i + TT <= ntile; i += TT) score_tiles<R, TT>(q, D, ktile + i, s + 16 * i, CHUNK);
+  for (; i < ntile; ++i) score_tiles<R, 1>(q, D, ktile + i, s + 16 * i, CHUNK);
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * CHUNK;
+    V mx = vset(-INFINITY);
+    for (int64_t t = 0; t < ntile; ++t)
+      mx = vmax(mx, vfirst(vld(sr + 16 * t), nvalid[r] - 16 * t, vset(-INFINITY)));
+    const float m = vhmax(mx);
+    V l = vzero();
+    for (int64_t t = 0; t < ntile; ++t) {
+      const V p = vfirst(vexp(vsub(vld(sr + 16 * t), vset(m))), nvalid[r] - 16 * t, vzero());
+      vst(sr + 16 * t, p);
+      l = vadd(l, p);
+    }
+    part[r][0] = m;
+    part[r][1] = vhsum(l);
+  }
+  for (int64_t dc = 0; dc < Dp;) {
+    const int64_t left = (Dp - dc) / 16;
+    if (left >= PV_CHUNKS) {
+      weigh_keys<R, PV_CHUNKS>(s, CHUNK, nk, vrow, dc, part);
+      dc += 16 * PV_CHUNKS;
+    } else {
+      weigh_keys<R, 1>(s, CHUNK, nk, vrow, dc, part);
+      dc += 16;
+    }
+  }
+}
+
+void chunk_any(int R, const float* const* q, const int64_t* nvalid, int64_t nk, int64_t D,
+               int64_t Dp, const uint16_t* const* kt, const uint16_t* const* vr, float* const* p) {
+  switch (R) {
+    case 1: chunk_rows<1>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    case 2: chunk_rows<2>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    case 3: chunk_rows<3>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    default: chunk_rows<4>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+  }
+}
+
+// The key sources of chunk c for head h: tiles of K and rows of V in list order. Shared
+// tasks read the cache as it lies; a tree token's chunk past the cache gathers its
+// ancestors' keys (tiles holding positions >= past) into gbuf.
+void chunk_sources(const Attn& A, int64_t h, const Task& tk, const uint16_t** ktile,
+                   const uint16_t** vrow, uint16_t* gbuf) {
+  const int64_t D = A.D, Dp = A.Dp, c0 = tk.c * CHUNK;
+  const uint16_t* kh = A.kc + h * A.s_max * D;
+  const uint16_t* vh = A.vc + h * A.s_max * Dp;
+  if (!tk.gathered) {
+    for (int64_t i = 0; i < CHUNK / 16; ++i) ktile[i] = kh + (c0 / 16 + i) * D * 16;
+    for (int64_t j = 0; j < CHUNK; ++j) vrow[j] = vh + (c0 + j) * Dp;
+    return;
+  }
+  const int64_t t = tk.t0, L = A.len[t];
+  const int64_t* vis = A.vis + A.vis_off[t];
+  auto row_of = [&](int64_t p) { return p < A.past ? p : A.past + vis[p - A.past]; };
+  for (int64_t i = 0; i < CHUNK / 16; ++i) {
+    const int64_t p0 = c0 + 16 * i;
+    if (p0 + 16 <= A.past) {
+      ktile[i] = kh + (p0 / 16) * D * 16;
+      continue;
+    }
+    uint16_t* g = gbuf + i * D * 16;
+    for (int64_t lane = 0; lane < 16; ++lane) {
+      const int64_t p = p0 + lane;
+      const int64_t r = p < L ? row_of(p) : -1;
+      for (int64_t d = 0; d < D; ++d)
+        g[16 * d + lane] = r < 0 ? 0 : kh[(r / 16) * D * 16 + 16 * d + r % 16];
+    }
+    ktile[i] = g;
+  }
+  for (int64_t j = 0; j < CHUNK; ++j) {
+    const int64_t p = c0 + j;
+    vrow[j] = vh + (p < L ? row_of(p) : 0) * Dp;
+  }
+}
+
+void run_task(const Attn& A, int64_t h, const Task& tk) {
+  thread_local std::vector<uint16_t> gbuf;
+  if (tk.gathered && static_cast<int64_t>(gbuf.size()) < CHUNK * A.D) gbuf.resize(CHUNK * A.D);
+  const uint16_t* ktile[CHUNK / 16];
+  const uint16_t* vrow[CHUNK];
+  chunk_sources(A, h, tk, ktile, vrow, gbuf.data());
+  const int64_t c0 = tk.c * CHUNK;
+  const float* q[4];
+  float* p[4];
+  int64_t nv[4];
+  int R = 0;
+  int64_t nk = 0;
+  for (int64_t t = tk.t0; t < tk.t1; ++t) {
+    if (!eligible(A, t, tk)) continue;
+    const int64_t n = A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
+    for (int64_t g = 0; g < A.G; ++g) {
+      const int64_t row = (h * A.T + t) * A.G + g;
+      q[R] = A.qs + (t * A.NH + h * A.G + g) * A.D;
+      p[R] = A.part + (row * A.nchunk + tk.c) * (A.Dp + 2);
+      nv[R] = n;
+      nk = n > nk ? n : nk;
+      if (++R == 4) {
+        chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p);
+        R = 0;
+        nk = 0;
+      }
+    }
+  }
+  if (R) chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p);
+}
+
+// Row (h, t, g)'s chunks merged in order: out = sum_c o_c e_c / sum_c l_c e_c with
+// e_c = exp(m_c - max m).
+void merge_row(const Attn& A, int64_t h, int64_t t, int64_t g, float* out) {
+  const int64_t row = (h * A.T + t) * A.G + g, Dp = A.Dp;
+  const float* part = A.part + row * A.nchunk * (Dp + 2);
+  const int64_t nch = (A.len[t] + CHUNK - 1) / CHUNK;
+  float M = -INFINITY;
+  for (int64_t c = 0; c < nch; ++c) M = part[c * (Dp + 2)] > M ? part[c * (Dp + 2)] : M;
+  float o[MAX_DP];
+  for (int64_t d = 0; d < Dp; ++d) o[d] = 0.0f;
+  float l = 0.0f;
+  for (int64_t c = 0; c < nch; ++c) {
+    const float* pc = part + c * (Dp + 2);
+    const float e = sexp(pc[0] - M);
+    l = l + pc[1] * e;
+    for (int64_t d = 0; d < Dp; ++d) o[d] = o[d] + pc[2 + d] * e;
+  }
+  for (int64_t d = 0; d < A.D; ++d) out[d] = o[d] / l;
+}
+
+void attention(const Attn& A, const std::vector<Task>& tasks, int64_t threads) {
+  const int64_t nt = static_cast<int64_t>(tasks.size()), total = A.KV * nt;
+  const int64_t th = threads < total ? threads : total;
+#pragma omp parallel for num_threads(th) schedule(dynamic, 1) if (th > 1)
+  for (int64_t i = 0; i < total; ++i) run_task(A, i / nt, tasks[i % nt]);
+  const int64_t rows = A.KV * A.T * A.G;
+  const int64_t tm = threads < rows ? threads : rows;
+#pragma omp parallel for num_threads(tm) schedule(static) if (tm > 1 && rows >= 64)
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t h = i / (A.T * A.G), t = (i / A.G) % A.T, g = i % A.G;
+    merge_row(A, h, t, g, A.out + t * A.NH * A.D + (h * A.G + g) * A.D);
+  }
+}
+
+// The decoder stack over T tokens (see cs_lean_forward).
+int forward(const Model& m, const Fwd& f) {
+  const int64_t T = f.T, H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
+  const int64_t I = m.inter, QW = (NH + 2 * KV) * D, Dp = pad16(D);
+  Bufs& b = bufs(T, m);
+  embed(m, f, b.x.data());
+  tap(m, f, 0, b.x.data());
+  Plan plan;
+  if (!make_plan(m, f, plan)) return -2;
+  b.part.resize(KV * T * (NH / KV) * plan.nchunk * (Dp + 2));
+  for (int64_t l = 0; l < m.layers; ++l) {
+    const Layer& L = m.layer[l];
+    uint16_t* kc = f.kv + l * KV * f.s_max * (D + Dp);  // (KV, S_max / 16, D, 16)
+    uint16_t* vc = kc + KV * f.s_max * D;  // (KV, S_max, Dp)
+    rmsnorm(b.x.data(), T, H, H, L.ln1, m.eps, b.a.data(), H);
+    if (!products(m, f, L.qkv, L.nqkv, T, b.a.data(), H, b.qkv.data(), QW, nullptr)) return -1;
+    rope_store(m, f, b.qkv.data(), b.qs.data(), kc, vc);
+    const Attn A = plan.attn(m, f, kc, vc, b.qs.data(), b.o.data(), b.part.data());
+    attention(A, plan.tasks, f.threads);
+    if (!products(m, f, &L.o, 1, T, b.o.data(), NH * D, b.x.data(), H, b.x.data())) return -1;
+    rmsnorm(b.x.data(), T, H, H, L.ln2, m.eps, b.a.data(), H);
+    if (!products(m, f, L.gu, L.ngu, T, b.a.data(), H, b.gu.data(), 2 * I, nullptr)) return -1;
+    silu_mul(b.gu.data(), T, I, b.act.data());
+    if (!products(m, f, &L.down, 1, T, b.act.data(), I, b.x.data(), H, b.x.data())) return -1;
+    tap(m, f, l + 1, b.x.data());
+  }
+  const int64_t rows = T - f.first;
+  if (rows > 0 && f.logits) {
+    rmsnorm(b.x.data() + f.first * H, rows, H, H, m.norm, m.eps, b.a.data(), H);
+    if (!products(m, f, &m.head, 1, rows, b.a.data(), H, f.logits, m.vocab, nullptr)) return -1;
+  }
+  return 0;
+}

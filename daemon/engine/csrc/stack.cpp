@@ -1,0 +1,594 @@
+// The lean runner's whole decoder stack in one call (codespec.daemon.engine.qstack): the
+// embedding lookup, every layer (RMSNorm, q/k/v products, RoPE, the fp16 KV cache write,
+// grouped-query attention over the cache, o, gate/up, SiLU, down, residuals) and the final
+// norm and LM head, for T tokens appended after `past` cached ones. One ctypes call per
+// forward instead of ~15 per layer (30 layers: ~3 ms of Python and dispatch per decode
+// step, as much as the products themselves).
+//
+// Products go to the GGUF block kernel (cs_qgemm, qgemm.cpp, built into the same library)
+// or, for 16/32-bit panels, to cpu_gemm's cs_gemm* through function pointers the caller
+// hands in: both sum each output over k in order, so their rows equal one-row products.
+//
+// KV cache, per layer: K as (KV, S_max / 16, D, 16) fp16 tiles (16 keys side by side, so a
+// score tile is D broadcast FMAs) then V as (KV, S_max, Dp) fp16 rows (Dp: D rounded up
+// to 16). Values are clamped to fp16's range before rounding, so the cache holds no inf.
+//
+// Attention: each query row attends to its key list, the cached keys then the new keys it
+// sees (itself and its ancestors, in order). The list is cut into chunks of CHUNK keys;
+// a chunk gives the row (max score, sum of exps, weighted values), and the chunks are
+// merged in order. Nothing depends on which other rows share a call, on the threads or
+// on the ISA: a tree or chain row equals the decode step at its place bit for bit.
+// Chunks are spread over OpenMP threads (torch's pool, as in qgemm.cpp).
+#include <stdint.h>
+#include <string.h>
+
+#include <cmath>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LS_X86 1
+#endif
+
+extern "C" {
+int cs_qgemm(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* P,
+             int64_t N, float* y, int64_t ldy, const float* bias, const float* res,
+             int64_t ldr, int64_t threads, int isa);
+void cs_q_rows(int t, const uint8_t* P, int64_t N, int64_t K, const int64_t* ids, int64_t n,
+               float* out, int64_t ldo);
+int cs_q_isa_ok(int isa);
+int cs_qgemm_i8(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* P,
+                int64_t N, float* y, int64_t ldy, const float* bias, const float* res,
+                int64_t ldr, int64_t threads, int isa);
+}
+
+namespace {
+
+constexpr int64_t CHUNK = 128;    // keys per softmax chunk
+constexpr int64_t MAX_DP = 256;   // the largest head dimension (rounded up to 16)
+constexpr int64_t TOKENS = 8;     // tokens per shared attention task
+constexpr int64_t THREADED_WEIGHTS = 1 << 16, THREADED_ROWS = 8;  // as cpu_gemm.py
+
+// A weight matrix: kind >= 0 a GGML block type (qgemm panels, n x k), -1 / -2 / -3 fp32 /
+// fp16 / bf16 cpu_gemm panels (k x n). As an embedding, -1 / -2 / -3 mean a dense (n, k)
+// row-major table of that type.
+struct Mat {
+  int32_t kind, pad;
+  const void* p;
+  int64_t n, k;
+  const float* bias;
+};
+
+struct Layer {
+  const float* ln1;
+  const float* ln2;
+  int64_t nqkv;  // 1 (fused) or 3 matrices, written side by side
+  Mat qkv[3];
+  Mat o;
+  int64_t ngu;  // 1 (fused) or 2
+  Mat gu[2];
+  Mat down;
+};
+
+using GemmFn = void (*)(const float*, int64_t, int64_t, int64_t, const void*, int64_t, float*,
+                        int64_t, const float*, const float*, int64_t, int64_t);
+
+struct Model {
+  int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, rope_len;
+  float eps;
+  int32_t int8;  // block products the llama.cpp way (cs_qgemm_i8: x rounded to int8)
+  const float* norm;
+  const float* cos;  // (rope_len, D)
+  const float* sin;  // (rope_len, D), the first half negated
+  Mat embed, head;
+  const Layer* layer;
+  GemmFn gemm[3];  // fp32, fp16, bf16 panel products
+};
+
+// One forward: T tokens `ids` at positions `pos`, after `past` cached ones; anc (T x T,
+// row t: the new tokens t sees, itself included) or null for a chain. Logits of rows
+// first .. T-1 go to logits; hidden (T, ntaps, H) gets the taps (0: embeddings, l: the
+// output of layer l).
+struct Fwd {
+  int64_t T, past, s_max, first, threads, ntaps;
+  int32_t isa, pad;
+  const int64_t* ids;
+  const int64_t* pos;
+  const uint8_t* anc;
+  uint16_t* kv;
+  const int64_t* taps;
+  float* hidden;
+  float* logits;
+};
+
+struct Task {
+  int64_t c, t0, t1;  // chunk, tokens [t0, t1)
+  int64_t gathered;   // a tree token's own chunk (its keys gathered), else shared
+};
+
+struct Attn {
+  const uint16_t* kc;
+  const uint16_t* vc;
+  const float* qs;
+  float* out;
+  float* part;
+  int64_t s_max, D, Dp, G, NH, KV, T, past, nchunk;
+  const int64_t* len;
+  const uint8_t* contig;
+  const int64_t* vis;
+  const int64_t* vis_off;
+};
+
+inline int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
+
+inline float clamp_h(float x) { return x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x; }
+
+inline bool eligible(const Attn& A, int64_t t, const Task& tk) {
+  if (tk.gathered) return true;
+  const int64_t c0 = tk.c * CHUNK;
+  return A.len[t] > c0 && (A.contig[t] || c0 + CHUNK <= A.past);
+}
+
+// Per forward: each token's key list (length, the new keys it sees, whether the list is
+// the cache's rows as they lie) and the attention tasks, the same for every layer.
+struct Plan {
+  std::vector<int64_t> len, vis, vis_off;
+  std::vector<uint8_t> contig;
+  std::vector<Task> tasks;
+  int64_t nchunk = 0;
+
+  Attn attn(const Model& m, const Fwd& f, const uint16_t* kc, const uint16_t* vc,
+            const float* qs, float* out, float* part) const {
+    const int64_t D = m.head_dim;
+    return Attn{kc, vc, qs, out, part, f.s_max, D, pad16(D), m.heads / m.kv_heads, m.heads,
+                m.kv_heads, f.T, f.past, nchunk, len.data(), contig.data(), vis.data(),
+                vis_off.data()};
+  }
+};
+
+bool make_plan(const Model& m, const Fwd& f, Plan& p) {
+  const int64_t T = f.T;
+  p.len.assign(T, 0);
+  p.contig.assign(T, 1);
+  p.vis_off.assign(T + 1, 0);
+  p.vis.clear();
+  int64_t most = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (f.pos[t] < 0 || f.pos[t] >= m.rope_len) return false;
+    for (int64_t j = 0; j < T; ++j) {
+      const bool seen = f.anc ? f.anc[t * T + j] != 0 : j <= t;
+      if (!seen) continue;
+      if (j > t) return false;  // a token sees only itself and earlier ones
+      if (j != static_cast<int64_t>(p.vis.size()) - p.vis_off[t]) p.contig[t] = 0;
+      p.vis.push_back(j);
+    }
+    p.vis_off[t + 1] = static_cast<int64_t>(p.vis.size());
+    const int64_t n = p.vis_off[t + 1] - p.vis_off[t];
+    if (n == 0 || p.vis.back() != t) return false;
+    p.len[t] = f.past + n;
+    most = p.len[t] > most ? p.len[t] : most;
+  }
+  p.nchunk = (most + CHUNK - 1) / CHUNK;
+  p.tasks.clear();
+  for (int64_t c = 0; c < p.nchunk; ++c) {
+    const int64_t c0 = c * CHUNK;
+    int64_t t0 = -1, count = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const bool shared = p.len[t] > c0 && (p.contig[t] || c0 + CHUNK <= f.past);
+      if (!shared) {
+        if (p.len[t] > c0) p.tasks.push_back(Task{c, t, t + 1, 1});
+        continue;
+      }
+      if (t0 < 0) t0 = t;
+      if (++count == TOKENS) {
+        p.tasks.push_back(Task{c, t0, t + 1, 0});
+        t0 = -1;
+        count = 0;
+      }
+    }
+    if (t0 >= 0) p.tasks.push_back(Task{c, t0, T, 0});
+  }
+  return true;
+}
+
+struct Bufs {
+  std::vector<float> x, a, qkv, qs, o, gu, act, part;
+};
+
+Bufs& bufs(int64_t T, const Model& m) {
+  thread_local Bufs b;
+  const int64_t H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
+  b.x.resize(T * H);
+  b.a.resize(T * H);
+  b.qkv.resize(T * (NH + 2 * KV) * D);
+  b.qs.resize(T * NH * D);
+  b.o.resize(T * NH * D);
+  b.gu.resize(T * 2 * m.inter);
+  b.act.resize(T * m.inter);
+  return b;
+}
+
+float h2f(uint16_t h) {  // exact
+  const uint32_t s = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 31, mant = h & 0x3ffu;
+  uint32_t bits;
+  if (e == 0) {
+    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return s ? -v : v;
+  }
+  bits = e == 31 ? (s | 0x7f800000u | (mant << 13)) : (s | ((e + 112) << 23) | (mant << 13));
+  float v;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+
+// fp32 -> fp16, round to nearest even (F. Giesen's float_to_half_fast3_rtne).
+uint16_t f2h_soft(float v) {
+  uint32_t x;
+  memcpy(&x, &v, 4);
+  const uint32_t sign = x & 0x80000000u;
+  x ^= sign;
+  uint16_t o;
+  if (x >= 0x47800000u) {
+    o = x > 0x7f800000u ? 0x7e00 : 0x7c00;
+  } else if (x < 0x38800000u) {
+    float f;
+    memcpy(&f, &x, 4);
+    f += 0.5f;
+    uint32_t r;
+    memcpy(&r, &f, 4);
+    o = static_cast<uint16_t>(r - 0x3f000000u);
+  } else {
+    const uint32_t odd = (x >> 13) & 1;
+    x += 0xc8000fffu + odd;
+    o = static_cast<uint16_t>(x >> 13);
+  }
+  return static_cast<uint16_t>((sign >> 16) | o);
+}
+
+void embed(const Model& m, const Fwd& f, float* x) {
+  const Mat& e = m.embed;
+  const int64_t H = m.hidden;
+  if (e.kind >= 0) {
+    cs_q_rows(e.kind, static_cast<const uint8_t*>(e.p), e.n, e.k, f.ids, f.T, x, H);
+    return;
+  }
+  for (int64_t t = 0; t < f.T; ++t) {
+    const int64_t r = f.ids[t];
+    float* xr = x + t * H;
+    for (int64_t h = 0; h < H; ++h) {
+      if (r < 0 || r >= e.n) {
+        xr[h] = 0.0f;
+      } else if (e.kind == -1) {
+        xr[h] = static_cast<const float*>(e.p)[r * H + h];
+      } else {
+        const uint16_t b = static_cast<const uint16_t*>(e.p)[r * H + h];
+        if (e.kind == -2) {
+          xr[h] = h2f(b);
+        } else {
+          const uint32_t bits = static_cast<uint32_t>(b) << 16;
+          memcpy(xr + h, &bits, 4);
+        }
+      }
+    }
+  }
+}
+
+void tap(const Model& m, const Fwd& f, int64_t layer, const float* x) {
+  const int64_t H = m.hidden;
+  for (int64_t j = 0; j < f.ntaps; ++j) {
+    if (f.taps[j] != layer) continue;
+    for (int64_t t = 0; t < f.T; ++t)
+      memcpy(f.hidden + (t * f.ntaps + j) * H, x + t * H, H * sizeof(float));
+  }
+}
+
+// cs_qgemm_i8's path for an ISA of cs_qgemm's: AVX-512 with VNNI where the CPU has it
+// (code 3), else AVX2; scalar stays scalar. Its rows agree on every path.
+int i8_isa(int isa) {
+  if (isa >= 2) return cs_q_isa_ok(3) ? 3 : 1;
+  return isa;
+}
+
+// y[:, col..] = x @ W (+ bias) (+ res) for each matrix, side by side.
+bool products(const Model& m, const Fwd& f, const Mat* mats, int64_t n, int64_t M,
+              const float* x, int64_t ldx, float* y, int64_t ldy, const float* res) {
+  int64_t col = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const Mat& w = mats[i];
+    const bool big = M >= THREADED_ROWS || w.n * w.k >= THREADED_WEIGHTS;
+    const int64_t th = big ? f.threads : 1;
+    const float* r = res ? res + col : nullptr;
+    if (w.kind >= 0) {
+      const auto P = static_cast<const uint8_t*>(w.p);
+      const int rc = m.int8 ? cs_qgemm_i8(w.kind, x, M, w.k, ldx, P, w.n, y + col, ldy, w.bias,
+                                          r, ldy, th, i8_isa(f.isa))
+                            : cs_qgemm(w.kind, x, M, w.k, ldx, P, w.n, y + col, ldy, w.bias, r,
+                                       ldy, th, f.isa);
+      if (rc != 0) return false;
+    } else {
+      const GemmFn fn = m.gemm[-w.kind - 1];
+      if (!fn) return false;
+      fn(x, M, w.k, ldx, w.p, w.n, y + col, ldy, w.bias, r, ldy, th);
+    }
+    col += w.n;
+  }
+  return true;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Scalar: the reference, and the path of a CPU without AVX2.
+namespace {
+namespace zs {
+
+struct V {
+  float v[16];
+};
+
+inline V vzero() {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = 0.0f;
+  return r;
+}
+inline V vset(float x) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = x;
+  return r;
+}
+inline V vld(const float* p) {
+  V r;
+  memcpy(r.v, p, 64);
+  return r;
+}
+inline void vst(float* p, V a) { memcpy(p, a.v, 64); }
+inline V vld_n(const float* p, int64_t n) {
+  V r = vzero();
+  for (int64_t i = 0; i < n && i < 16; ++i) r.v[i] = p[i];
+  return r;
+}
+inline void vst_n(float* p, V a, int64_t n) {
+  for (int64_t i = 0; i < n && i < 16; ++i) p[i] = a.v[i];
+}
+inline V vldh(const uint16_t* p) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = h2f(p[i]);
+  return r;
+}
+#define LS_ZIP(name, expr)              \
+  inline V name(V a, V b) {             \
+    V r;                                \
+    for (int i = 0; i < 16; ++i) {      \
+      const float x = a.v[i], y = b.v[i]; \
+      r.v[i] = (expr);                  \
+    }                                   \
+    return r;                           \
+  }
+LS_ZIP(vadd, x + y)
+LS_ZIP(vsub, x - y)
+LS_ZIP(vmul, x * y)
+LS_ZIP(vdiv, x / y)
+LS_ZIP(vmax, x > y ? x : y)  // maxps / minps: the second operand unless the compare holds
+LS_ZIP(vmin, x < y ? x : y)
+#undef LS_ZIP
+inline V vfma(V a, V b, V c) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return r;
+}
+inline V vrint(V a) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = std::nearbyint(a.v[i]);
+  return r;
+}
+inline V vexp2i(V n) {
+  V r;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n.v[i]) + 127) << 23;
+    memcpy(&r.v[i], &bits, 4);
+  }
+  return r;
+}
+inline V vfirst(V a, int64_t n, V b) {
+  V r;
+  for (int i = 0; i < 16; ++i) r.v[i] = i < n ? a.v[i] : b.v[i];
+  return r;
+}
+// Across lanes: i + (i + 8), then + 4, + 2, + 1 (the vector paths' tree).
+inline float vhsum(V a) {
+  float s[8];
+  for (int i = 0; i < 8; ++i) s[i] = a.v[i] + a.v[i + 8];
+  for (int i = 0; i < 4; ++i) s[i] = s[i] + s[i + 4];
+  for (int i = 0; i < 2; ++i) s[i] = s[i] + s[i + 2];
+  return s[0] + s[1];
+}
+inline float vhmax(V a) {
+  float s[8];
+  for (int i = 0; i < 8; ++i) s[i] = a.v[i] > a.v[i + 8] ? a.v[i] : a.v[i + 8];
+  for (int i = 0; i < 4; ++i) s[i] = s[i] > s[i + 4] ? s[i] : s[i + 4];
+  for (int i = 0; i < 2; ++i) s[i] = s[i] > s[i + 2] ? s[i] : s[i + 2];
+  return s[0] > s[1] ? s[0] : s[1];
+}
+inline uint16_t f2h(float x) { return f2h_soft(x); }
+constexpr int PV_CHUNKS = 2;  // value columns / 16 per pass
+
+#include "lean_ops.h"
+
+}  // namespace zs
+}  // namespace
+
+#ifdef LS_X86
+// ---------------------------------------------------------------------------------------
+// AVX2 + FMA + F16C: V is two ymm (lanes 0-7, 8-15).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace {
+namespace z2 {
+
+struct V {
+  __m256 lo, hi;
+};
+
+inline __m256 mask8(int64_t n) {  // lanes i < n
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t k = n < 0 ? 0 : n > 8 ? 8 : static_cast<int32_t>(n);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k), iota));
+}
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V vld(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vst(float* p, V a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V vld_n(const float* p, int64_t n) {
+  return {_mm256_maskload_ps(p, _mm256_castps_si256(mask8(n))),
+          _mm256_maskload_ps(p + 8, _mm256_castps_si256(mask8(n - 8)))};
+}
+inline void vst_n(float* p, V a, int64_t n) {
+  _mm256_maskstore_ps(p, _mm256_castps_si256(mask8(n)), a.lo);
+  _mm256_maskstore_ps(p + 8, _mm256_castps_si256(mask8(n - 8)), a.hi);
+}
+inline V vldh(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V vdiv(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V vmin(V a, V b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline V vfma(V a, V b, V c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V vrint(V a) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+inline __m256 exp2i8(__m256 n) {
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+inline V vexp2i(V n) { return {exp2i8(n.lo), exp2i8(n.hi)}; }
+inline V vfirst(V a, int64_t n, V b) {
+  return {_mm256_blendv_ps(b.lo, a.lo, mask8(n)), _mm256_blendv_ps(b.hi, a.hi, mask8(n - 8))};
+}
+inline float vhsum(V a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+inline float vhmax(V a) {
+  const __m256 s = _mm256_max_ps(a.lo, a.hi);
+  const __m128 u = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 w = _mm_max_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_max_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+inline uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+constexpr int PV_CHUNKS = 2;  // 16 ymm: R x 2 x 2 accumulators
+
+#include "lean_ops.h"
+
+}  // namespace z2
+}  // namespace
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------
+// AVX-512 (F, BW, VL, DQ): V is one zmm.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace {
+namespace z5 {
+
+using V = __m512;
+
+inline __mmask16 mask16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff)
+                 : static_cast<__mmask16>((1u << (n > 0 ? n : 0)) - 1);
+}
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float x) { return _mm512_set1_ps(x); }
+inline V vld(const float* p) { return _mm512_loadu_ps(p); }
+inline void vst(float* p, V a) { _mm512_storeu_ps(p, a); }
+inline V vld_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(mask16(n), p); }
+inline void vst_n(float* p, V a, int64_t n) { _mm512_mask_storeu_ps(p, mask16(n), a); }
+inline V vldh(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vrint(V a) {
+  return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+inline V vexp2i(V n) {
+  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+inline V vfirst(V a, int64_t n, V b) { return _mm512_mask_blend_ps(mask16(n), b, a); }
+inline float vhsum(V a) {
+  const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+inline float vhmax(V a) {
+  const __m256 s = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m128 u = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const __m128 w = _mm_max_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_max_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+inline uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+constexpr int PV_CHUNKS = 4;  // 32 zmm: up to 4 rows x 4 accumulators
+
+#include "lean_ops.h"
+
+}  // namespace z5
+}  // namespace
+#pragma GCC pop_options
+#endif  // LS_X86
+
+extern "C" {
+
+int cs_lean_version() { return 1; }
+
+// The forward (see Fwd). Returns 0; -1 a product refused (an unknown type, a missing
+// panel product), -2 a bad layout (a position outside the RoPE tables, a token seeing a
+// later one or not itself), -3 an ISA this CPU lacks or an unsupported head dimension.
+int cs_lean_forward(const Model* m, const Fwd* f) {
+  if (pad16(m->head_dim) > MAX_DP || !cs_q_isa_ok(f->isa)) return -3;
+#ifdef LS_X86
+  if (f->isa >= 2) return z5::forward(*m, *f);
+  if (f->isa == 1) return z2::forward(*m, *f);
+#endif
+  return zs::forward(*m, *f);
+}
+
+// After a forward that appended rows base.., keep rows base + idx[j] (increasing) as rows
+// base + j, in every layer's K tiles and V rows.
+void cs_lean_keep(uint16_t* kv, int64_t layers, int64_t KV, int64_t s_max, int64_t D,
+                  int64_t base, const int64_t* idx, int64_t n) {
+  const int64_t Dp = pad16(D);
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t h = 0; h < KV; ++h) {
+      uint16_t* kc = kv + l * KV * s_max * (D + Dp) + h * s_max * D;
+      uint16_t* vc = kv + l * KV * s_max * (D + Dp) + KV * s_max * D + h * s_max * Dp;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t src = base + idx[j], dst = base + j;
+        if (src == dst) continue;
+        for (int64_t d = 0; d < D; ++d)
+          kc[(dst / 16) * D * 16 + 16 * d + dst % 16] = kc[(src / 16) * D * 16 + 16 * d + src % 16];
+        memcpy(vc + dst * Dp, vc + src * Dp, Dp * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
+}  // extern "C"
