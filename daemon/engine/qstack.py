@@ -1,4 +1,4 @@
-"""The lean runner's decoder stack in one C++ call: ``csrc/stack.cpp`` (+ ``lean_ops.h``),
+"""The lean runner's decoder stack in one C++ call: ``csrc/stack.cpp`` (+ ``lean_ops.inc.cpp``),
 built into the quantized kernel's library (:mod:`~codespec.daemon.engine.quant_gemm`).
 
 Owns the ctypes descriptors of a model's weights (GGUF block matrices, ``cpu_gemm``

@@ -57,7 +57,7 @@ SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
 # Built into the same library: the lean runner's decoder stack (``qstack``), which calls
 # the products directly.
 SOURCES = (SOURCE, SOURCE.parent / "stack.cpp")
-HEADERS = (SOURCE.parent / "lean_ops.h",)
+HEADERS = (SOURCE.parent / "lean_ops.inc.cpp",)  # included by stack.cpp
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 PANEL = 16  # output rows per panel; a matrix's rows are padded with zero blocks to a multiple
 ISA_ENV = "CODESPEC_QGEMM_ISA"

@@ -413,7 +413,7 @@ inline float vhmax(V a) {
 inline uint16_t f2h(float x) { return f2h_soft(x); }
 constexpr int PV_CHUNKS = 2;  // value columns / 16 per pass
 
-#include "lean_ops.h"
+#include "lean_ops.inc.cpp"
 
 }  // namespace zs
 }  // namespace
@@ -490,7 +490,7 @@ inline float vhmax(V a) {
 inline uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
 constexpr int PV_CHUNKS = 2;  // 16 ymm: R x 2 x 2 accumulators
 
-#include "lean_ops.h"
+#include "lean_ops.inc.cpp"
 
 }  // namespace z2
 }  // namespace
@@ -548,7 +548,7 @@ inline float vhmax(V a) {
 inline uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
 constexpr int PV_CHUNKS = 4;  // 32 zmm: up to 4 rows x 4 accumulators
 
-#include "lean_ops.h"
+#include "lean_ops.inc.cpp"
 
 }  // namespace z5
 }  // namespace

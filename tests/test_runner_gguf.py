@@ -1,0 +1,291 @@
+"""The lean runner on a GGUF's own blocks (``LeanRunner.from_gguf``, ``gguf_weights``).
+
+Tiny random models written by the test itself with ``gguf.GGUFWriter`` (``tests/ggufs.py``):
+llama (q/k rows permuted by llama.cpp's convention, un-permuted on load) with Q8_0, Q4_1,
+Q4_K or Q6_K matrices, and qwen2 (q/k/v biases, no permutation). gguf quantizes Q8_0 and
+Q4_1 itself; K-quant blocks are random bytes with small random fp16 scales (gguf cannot
+quantize them), so the weights are what gguf dequantizes them to.
+
+Checked: logits within tolerance of transformers' model of the same file
+(``from_pretrained(gguf_file=...)``, dequantized fp32) through prefill, decode, chains,
+a tree with ``keep`` and ``truncate``; decode rows equal verify rows bit for bit (chain,
+tree, after keep); the scalar / AVX2 paths and one or two threads give the very logits of
+the best path; the int8-activation option keeps rows bit-equal too; the header parser
+agrees with gguf's reader; a folder the model cache made from a GGUF loads from its
+blocks, an unsupported one is refused with a reason; the fast tokenizer answers as
+``AutoTokenizer`` does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from ggufs import write_gguf  # noqa: E402
+
+from codespec.daemon.engine import gguf_weights, quant_gemm  # noqa: E402
+from codespec.daemon.engine.lean import LeanRunner, from_model_folder  # noqa: E402
+from codespec.daemon.engine.runner import HFRunner  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        quant_gemm.library() is None,
+        reason=f"the quantized kernel cannot be built here: {quant_gemm.unavailable_reason()}",
+    ),
+]
+
+SHAPE = dict(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512)  # K-quants need k % 256
+KQUANT_SCALE = {"Q4_K": 2e-4, "Q6_K": 4e-5}  # d: weights of ~0.05, as the others
+
+
+def _random_kquant(data: np.ndarray, qt, rng: np.random.Generator) -> np.ndarray:
+    """Random ``qt`` blocks for a (rows, k) matrix, scales small enough for sane weights."""
+    name = qt.name
+    bk, size = quant_gemm.BLOCKS[name]
+    rows, k = data.shape
+    raw = rng.integers(0, 256, size=(rows, k // bk, size), dtype=np.uint8)
+    scale = KQUANT_SCALE[name]
+    d = (np.abs(rng.standard_normal((rows, k // bk, 1))) * scale).astype(np.float16)
+    if name == "Q6_K":
+        raw[..., 208:210] = d.view(np.uint8)
+    else:
+        raw[..., 0:2] = d.view(np.uint8)
+        raw[..., 2:4] = (d * 8).astype(np.float16).view(np.uint8)  # dmin
+    return raw.reshape(rows, k // bk * size)
+
+
+def _write(path: Path, qtype: str, arch: str = "llama", seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if qtype not in KQUANT_SCALE:
+        return write_gguf(path, arch=arch, qtype=qtype, seed=seed, **SHAPE)
+    real = gguf.quants.quantize
+    rng = np.random.default_rng(seed)
+
+    def quantize(data, qt):
+        return _random_kquant(data, qt, rng) if qt.name in KQUANT_SCALE else real(data, qt)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.quants, "quantize", quantize)
+        return write_gguf(path, arch=arch, qtype=qtype, seed=seed, **SHAPE)
+
+
+def _reference(path: Path) -> HFRunner:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return HFRunner(model.eval())
+
+
+CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "Q4_K"), ("llama", "Q6_K")]
+CASES += [("qwen2", "Q4_1")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
+def model_file(request, tmp_path_factory) -> Path:
+    arch, qtype = request.param
+    folder = tmp_path_factory.mktemp(f"{arch}-{qtype}")
+    return _write(folder / "tiny.gguf", qtype, arch)
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Within 2% of the logits' spread (seen: up to 1%): the fp16 KV cache and fp32 sums
+    in other orders than transformers' (a wrong weight, row or permutation is off by
+    about the spread itself)."""
+    assert a.shape == b.shape
+    torch.testing.assert_close(a, b, atol=2e-2 * float(b.std()) + 1e-4, rtol=0)
+
+
+def test_logits_match_transformers(model_file: Path) -> None:
+    """Prefill, decode steps, a chain, a tree + keep, truncate: each forward's logits as
+    transformers computes them from the same GGUF."""
+    lean = LeanRunner.from_gguf(model_file, max_length=128)
+    hf = _reference(model_file)
+    assert lean.stack is not None and lean.gguf
+    v = lean.vocab_size
+
+    def both(ids, parents=None):
+        _close(lean.forward(ids, parents).logits, hf.forward(ids, parents).logits)
+        assert lean.length == hf.length
+
+    both(_ids(20, 1, v))
+    for tok in _ids(3, 2, v):
+        both([tok])
+    both(_ids(6, 3, v))
+    both(_ids(7, 4, v), [-1, 0, 0, 1, 2, 2, -1])
+    lean.keep([0, 2, 5])
+    hf.keep([0, 2, 5])
+    both([5])
+    lean.truncate(10)
+    hf.truncate(10)
+    both(_ids(4, 5, v))
+
+
+def test_decode_rows_equal_verify_rows(model_file: Path) -> None:
+    """A verify forward's rows (chain or tree) equal the decode steps at their places bit
+    for bit, and the cache a tree leaves after keep equals the decoded one."""
+    lean = LeanRunner.from_gguf(model_file, max_length=160)
+    v = lean.vocab_size
+    prompt, draft = _ids(130, 6, v), _ids(9, 7, v)  # past a 128-key chunk boundary
+    lean.forward(prompt)
+    verify = lean.forward(draft).logits
+    lean.truncate(len(prompt))
+    decode = torch.cat([lean.forward([t]).logits for t in draft])
+    assert torch.equal(verify, decode)
+    lean.truncate(len(prompt))
+    tree = lean.forward(draft[:6], [-1, 0, 0, 2, -1, 4]).logits  # paths 0-2-3 and 4-5
+    lean.keep([0, 2, 3])
+    after = lean.forward([draft[6]]).logits
+    lean.truncate(len(prompt))
+    path = torch.cat([lean.forward([draft[i]]).logits for i in (0, 2, 3, 6)])
+    assert torch.equal(tree[[0, 2, 3]], path[:3])
+    assert torch.equal(after, path[3:])
+    lean.truncate(len(prompt))
+    assert torch.equal(lean.forward(draft[4:6], [-1, 0]).logits, tree[4:6])
+
+
+def _run(runner: LeanRunner, v: int) -> list[torch.Tensor]:
+    out = [runner.forward(_ids(40, 8, v)).logits, runner.forward([3]).logits]
+    out.append(runner.forward(_ids(5, 9, v), [-1, 0, 0, 1, -1]).logits)
+    runner.keep([0, 1, 3])
+    out.append(runner.forward(_ids(2, 10, v)).logits)
+    return out
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_fallback_paths_give_the_same_logits(model_file: Path, isa: str, monkeypatch) -> None:
+    """CODESPEC_QGEMM_ISA forces the products' and the stack's path: the plain C++ one (and
+    AVX2 where AVX-512 is the default) gives the very logits of the default path."""
+    if not quant_gemm.isa_supported(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path")
+    best = LeanRunner.from_gguf(model_file, max_length=96)
+    ref = _run(best, best.vocab_size)
+    monkeypatch.setenv(quant_gemm.ISA_ENV, isa)
+    forced = LeanRunner.from_gguf(model_file, max_length=96)
+    for a, b in zip(_run(forced, forced.vocab_size), ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_threads_change_nothing(model_file: Path) -> None:
+    """One or two threads (products and attention split differently): the same logits."""
+    runner = LeanRunner.from_gguf(model_file, max_length=96)
+    one = _run(runner, runner.vocab_size)
+    runner.reset()
+    torch.set_num_threads(2)
+    try:
+        two = _run(runner, runner.vocab_size)
+    finally:
+        torch.set_num_threads(1)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_int8_products_keep_rows_equal(tmp_path: Path) -> None:
+    """int8=True (x rounded to int8 for the block products, llama.cpp's way): its verify
+    rows still equal its decode rows bit for bit, and its logits stay near the exact ones."""
+    path = _write(tmp_path / "q.gguf", "Q4_1")
+    exact = LeanRunner.from_gguf(path, max_length=64)
+    fast = LeanRunner.from_gguf(path, max_length=64, int8=True)
+    v = fast.vocab_size
+    ids = _ids(30, 11, v)
+    ref = exact.forward(ids).logits
+    got = fast.forward(ids).logits
+    assert not torch.equal(got, ref)
+    err = (got - ref).abs()  # x's rounding, through 2 random layers: ~2% mean, 10% worst
+    assert float(err.mean()) < 0.05 * float(ref.std())
+    assert float(err.max()) < 0.3 * float(ref.std())
+    draft = _ids(5, 12, v)
+    verify = fast.forward(draft).logits
+    fast.truncate(len(ids))
+    assert torch.equal(verify, torch.cat([fast.forward([t]).logits for t in draft]))
+
+
+def test_taps_and_last_only(model_file: Path) -> None:
+    """Taps 0 .. L (tap L before the final norm) and a last-row-only prefill, as the torch
+    runner on the same weights gives them."""
+    lean = LeanRunner.from_gguf(model_file, max_length=64)
+    ids = _ids(12, 13, lean.vocab_size)
+    full = lean.forward(ids, taps=(0, 1, lean.num_layers))
+    assert full.hidden is not None and full.hidden.shape == (12, 3, lean.hidden_size)
+    x0 = quant_gemm.QuantMatrix.rows(lean._embed_q, ids)
+    assert torch.equal(full.hidden[:, 0], x0)
+    normed = torch.nn.functional.rms_norm(
+        full.hidden[:, 2], (lean.hidden_size,), lean.norm, lean.eps
+    )
+    torch.testing.assert_close(lean.project(normed), full.logits, atol=1e-4, rtol=1e-4)
+    lean.reset()
+    assert torch.equal(lean.forward(ids, last_only=True).logits, full.logits[-1:])
+
+
+def test_header_parser_agrees_with_gguf(model_file: Path) -> None:
+    """Every tensor's name, shape, type and bytes as gguf's reader sees them."""
+    mine = gguf_weights.read(model_file)
+    reader = gguf.GGUFReader(str(model_file))
+    assert len(mine.tensors) == len(reader.tensors)
+    for t in reader.tensors:
+        m = mine.tensors[t.name]
+        assert list(m.shape) == [int(s) for s in t.shape]
+        assert m.type_id == int(t.tensor_type)
+        assert np.array_equal(mine.raw(t.name), np.asarray(t.data).view(np.uint8).reshape(-1))
+    cfg = gguf_weights.config_from_meta(mine)
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (SHAPE["hidden"], SHAPE["layers"])
+    assert cfg.tie_word_embeddings
+
+
+def test_model_folder_loads_from_the_blocks(tmp_path: Path) -> None:
+    """A folder the model cache imported from a GGUF runs from the GGUF's blocks (its
+    config read as JSON); a GGUF of F16 matrices is left to the folder's safetensors."""
+    from codespec.daemon.engine import models
+
+    path = _write(tmp_path / "src" / "q.gguf", "Q8_0")
+    folder = models.import_gguf(path, tmp_path / "cache")
+    got = from_model_folder(folder, max_length=64)
+    assert got is not None
+    runner, config = got
+    assert runner.gguf and config.model_type == "llama"
+    ids = _ids(9, 14, runner.vocab_size)
+    direct = LeanRunner.from_gguf(path, max_length=64)
+    assert torch.equal(runner.forward(ids).logits, direct.forward(ids).logits)
+    half = _write(tmp_path / "half" / "h.gguf", "F16")
+    g = gguf_weights.read(half)
+    why = gguf_weights.unsupported(g, gguf_weights.config_from_meta(g))
+    assert why is not None and "F16" in why
+    assert from_model_folder(models.import_gguf(half, tmp_path / "cache"), 64) is None
+    assert from_model_folder(tmp_path / "src", 64) is None  # no manifest
+
+
+def test_fast_tokenizer_answers_as_autotokenizer(tmp_path: Path) -> None:
+    """The daemon's tokenizer without transformers: vocabulary, specials, decode and the
+    chat template render as AutoTokenizer's do (a tokenizer the model cache wrote)."""
+    from transformers import AutoTokenizer
+
+    from codespec.daemon.engine import models, tokenizer
+
+    path = _write(tmp_path / "src" / "q.gguf", "Q8_0")
+    folder = models.import_gguf(path, tmp_path / "cache")
+    assert tokenizer.fast_enough(folder)
+    fast, slow = tokenizer.load(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert isinstance(fast, tokenizer.FastTokenizer)
+    assert fast.get_vocab() == slow.get_vocab() and len(fast) == len(slow)
+    assert fast.eos_token_id == slow.eos_token_id
+    assert fast.all_special_ids == sorted(slow.all_special_ids)
+    assert fast.convert_tokens_to_ids("<file_sep>") == slow.convert_tokens_to_ids("<file_sep>")
+    ids = slow.backend_tokenizer.encode("def f(x):\n    return 'é' # 中文").ids
+    assert fast.decode(ids) == slow.decode(ids, skip_special_tokens=False)
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a\n b"}]
+    for gen in (True, False):
+        a = fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+        b = slow.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+        assert a == b
