@@ -1,11 +1,14 @@
 """``codespec bench latency``: completion latency and throughput over the socket.
 
 Owns the daemon benchmark: it starts ``codespec serve`` as a subprocess (or
-uses ``--socket`` of a running one), opens a source file of 300+ lines and
+uses ``--socket`` of a running one), opens real source files and
 
-- latency: simulates typing (one character inserted per keystroke, a
-  single-line ``complete`` of up to 16 tokens after each, streamed) and reports
-  p50 / p99 of the time to the first delta and to the final result;
+- latency: replays typing at real spots of them (a body line emptied, then
+  typed back one character per keystroke at the typist's pace; the spots jump
+  to another function and to another file), a single-line ``complete`` of up to
+  16 tokens after each keystroke, streamed; p50 / p99 of the time to the first
+  streamed piece (the first ghost-text line) and to the final result, per kind
+  of keystroke;
 - throughput: 1, 4 and 8 concurrent clients, each on its own copy of the file,
   each asking multi-line completions, speculation auto vs off; tokens/s over
   the wall-clock time of the whole round.
@@ -17,6 +20,7 @@ everything goes through :class:`codespec.daemon.client.Client`.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import statistics
@@ -25,12 +29,17 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from codespec.daemon.client import Client
+from codespec.daemon.engine.models import models_root
 
-DEFAULT_FILE = Path(os.__file__).parent / "textwrap.py"
-TYPED = "    result = self.wrap(text, width=width)\n"
+DEFAULT_FILES = [
+    Path(os.__file__).parent / "textwrap.py",
+    Path(json.__file__).parent / "decoder.py",
+]
+KEYSTROKES_PER_LINE = 14  # characters typed (one completion each) on every retyped line
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -45,6 +54,7 @@ def start_daemon(threads: int, extra: list[str]) -> tuple[subprocess.Popen, str,
     tmp = tempfile.mkdtemp(prefix="codespec-bench-")
     sock = os.path.join(tmp, "d.sock")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), XDG_CACHE_HOME=tmp, CODESPEC_SOCKET=sock)
+    env.setdefault("CODESPEC_MODELS", str(models_root()))  # the cached model, not a new fetch
     proc = subprocess.Popen(
         [sys.executable, "-m", "codespec.daemon.cli", "serve", "--socket", sock, *extra],
         env=env,
@@ -65,61 +75,122 @@ def start_daemon(threads: int, extra: list[str]) -> tuple[subprocess.Popen, str,
     raise SystemExit("codespec serve did not come up")
 
 
-def typing_latency(sock: str, text: str, samples: int, speculation: str) -> dict[str, float]:
-    """Type TYPED at a few lines of the file; one completion per keystroke.
+@dataclass
+class Spot:
+    """A body line to retype: file index, 0-based line, the line's text (no newline)."""
 
-    Each method runs in a daemon of its own (see ``main``), so none reuses the KV
-    cache another left behind: every method pays the same cold prefills.
-    """
-    lines = text.splitlines(keepends=True)
-    uri = "file:///bench/latency.py"
-    first: list[float] = []
-    final: list[float] = []
-    with Client(sock) as c:
-        c.request("open", {"uri": uri, "text": text, "version": 0})
-        version = 0
-        c.request("complete", {"uri": uri, "position": {"line": 0, "character": 0}})  # warm
-        spots = [len(lines) // 3, len(lines) // 2, 2 * len(lines) // 3]
-        done = 0
-        for s_i, spot in enumerate(spots):
-            line = spot + s_i  # earlier spots inserted one line each
-            pos = {"line": line, "character": 0}
-            version += 1
-            change = {"range": {"start": pos, "end": pos}, "text": "\n"}
-            c.request("change", {"uri": uri, "version": version, "changes": [change]})
-            for col, ch in enumerate(TYPED.rstrip("\n")):
-                if done >= samples * (s_i + 1) // len(spots):
+    file: int
+    line: int
+    text: str
+
+
+def spots(texts: list[str], per_file: int = 2) -> list[Spot]:
+    """Body lines of functions far apart in each file, visited A1, A2 (another function:
+    a jump), B1 (another file), B2, then A1 again (back to the first file)."""
+    out: list[list[Spot]] = []
+    for f, text in enumerate(texts):
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        funcs = sorted(
+            (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))),
+            key=lambda n: n.lineno,
+        )
+        body = []
+        for fn in funcs:
+            for stmt in fn.body[1:]:  # skip a docstring / the first statement
+                line = lines[stmt.lineno - 1]
+                if stmt.lineno == stmt.end_lineno and len(line.strip()) >= KEYSTROKES_PER_LINE:
+                    body.append(Spot(f, stmt.lineno - 1, line))
                     break
-                pos = {"line": line, "character": col}
-                version += 1
-                change = {"range": {"start": pos, "end": pos}, "text": ch}
-                c.request("change", {"uri": uri, "version": version, "changes": [change]})
-                t0 = time.perf_counter()
-                got: list[float] = []
-                c.request(
-                    "complete",
-                    {
-                        "uri": uri,
-                        "position": {"line": line, "character": col + 1},
-                        "max_tokens": 16,
-                        "stream": True,
-                        "speculation": speculation,
-                    },
-                    lambda _f, got=got: got.append(time.perf_counter()) if not got else None,
-                )
-                t1 = time.perf_counter()
-                final.append((t1 - t0) * 1000)
-                first.append(((got[0] if got else t1) - t0) * 1000)
-                done += 1
-        c.request("close", {"uri": uri})
-    return {
-        "n": len(final),
-        "first_p50_ms": percentile(first, 0.5),
-        "first_p99_ms": percentile(first, 0.99),
-        "final_p50_ms": percentile(final, 0.5),
-        "final_p99_ms": percentile(final, 0.99),
-        "final_mean_ms": statistics.fmean(final) if final else 0.0,
-    }
+        step = max(1, len(body) // per_file)
+        out.append(body[step // 2 :: step][:per_file])
+    order = [s for group in out for s in group]
+    return [*order, order[0]] if order else order
+
+
+class Typist:
+    """One editor's document state over the socket: open files, retype a line at a
+    spot with a completion after every keystroke, timing each one."""
+
+    def __init__(self, c: Client, texts: list[str], speculation: str, pause_s: float) -> None:
+        self.c, self.speculation, self.pause_s = c, speculation, pause_s
+        self.lines = [t.splitlines(keepends=True) for t in texts]
+        self.versions = [0] * len(texts)
+        self.first: dict[str, list[float]] = {}
+        self.final: dict[str, list[float]] = {}
+        for f, text in enumerate(texts):
+            c.request("open", {"uri": self.uri(f), "text": text, "version": 0})
+
+    @staticmethod
+    def uri(f: int) -> str:
+        return f"file:///bench/latency/file{f}.py"
+
+    def change(self, f: int, start: dict, end: dict, text: str) -> None:
+        self.versions[f] += 1
+        change = {"range": {"start": start, "end": end}, "text": text}
+        self.c.request("change", {"uri": self.uri(f), "version": self.versions[f],
+                                  "changes": [change]})  # fmt: skip
+
+    def complete(self, f: int, line: int, col: int, kind: str) -> None:
+        t0 = time.perf_counter()
+        got: list[float] = []
+        self.c.request(
+            "complete",
+            {"uri": self.uri(f), "position": {"line": line, "character": col}, "max_tokens": 16,
+             "stream": True, "speculation": self.speculation},
+            lambda _f: got.append(time.perf_counter()) if not got else None,
+        )  # fmt: skip
+        t1 = time.perf_counter()
+        self.final.setdefault(kind, []).append((t1 - t0) * 1000)
+        self.first.setdefault(kind, []).append(((got[0] if got else t1) - t0) * 1000)
+        time.sleep(max(0.0, self.pause_s - (t1 - t0)))  # the typist's own pace
+
+    def retype(self, spot: Spot, kind: str) -> None:
+        """Empty the line (the cursor lands on it: a new line), then type it back."""
+        f, n, text = spot.file, spot.line, spot.text
+        indent = len(text) - len(text.lstrip())
+        self.change(f, {"line": n, "character": 0}, {"line": n, "character": len(text)},
+                    text[:indent])  # fmt: skip
+        self.complete(f, n, indent, kind)
+        for col in range(indent, min(len(text), indent + KEYSTROKES_PER_LINE)):
+            pos = {"line": n, "character": col}
+            self.change(f, pos, pos, text[col])
+            self.complete(f, n, col + 1, "typing")
+        rest = {"line": n, "character": min(len(text), indent + KEYSTROKES_PER_LINE)}
+        self.change(f, rest, rest, text[rest["character"] :])  # the line as it was
+
+
+def typing_latency(
+    sock: str, texts: list[str], speculation: str, pause_s: float
+) -> dict[str, dict[str, float]]:
+    """Replay typing at real spots (see :func:`spots`): per kind of keystroke —
+    ``newline`` (the first spot), ``jump`` (another function of the same file),
+    ``file`` (another file), ``typing`` (characters) — and ``all``, the time to the
+    first streamed piece (the first ghost-text line) and to the final result."""
+    with Client(sock) as c:
+        t = Typist(c, texts, speculation, pause_s)
+        prev = None
+        for spot in spots(texts):
+            kind = ("newline" if prev is None else
+                    "file" if spot.file != prev.file else "jump")  # fmt: skip
+            t.retype(spot, kind)
+            prev = spot
+        for f in range(len(texts)):
+            c.request("close", {"uri": t.uri(f)})
+    out = {}
+    every_first = [x for xs in t.first.values() for x in xs]
+    every_final = [x for xs in t.final.values() for x in xs]
+    for kind, first, final in [*((k, t.first[k], t.final[k]) for k in t.first),
+                               ("all", every_first, every_final)]:  # fmt: skip
+        out[kind] = {
+            "n": len(final),
+            "first_p50_ms": percentile(first, 0.5),
+            "first_p99_ms": percentile(first, 0.99),
+            "final_p50_ms": percentile(final, 0.5),
+            "final_p99_ms": percentile(final, 0.99),
+            "final_mean_ms": statistics.fmean(final) if final else 0.0,
+        }
+    return out
 
 
 def throughput(sock: str, text: str, clients: int, per_client: int, speculation: str) -> dict:
@@ -166,68 +237,65 @@ def throughput(sock: str, text: str, clients: int, per_client: int, speculation:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec bench latency", description=__doc__.split("\n")[0])
     p.add_argument("--socket", default=None, help="use a running daemon instead of starting one")
-    p.add_argument("--file", default=str(DEFAULT_FILE), help="a source file of 300+ lines")
-    p.add_argument("--samples", type=int, default=60, help="completions in the latency run")
+    p.add_argument(
+        "--files",
+        default=",".join(map(str, DEFAULT_FILES)),
+        help="comma-separated Python files to type in (default: two stdlib files)",
+    )
+    p.add_argument("--pause-ms", type=float, default=150.0,
+                   help="the typist's pace: time from one keystroke to the next")  # fmt: skip
     p.add_argument("--clients", default="1,4,8", help="concurrent clients for throughput")
     p.add_argument("--per-client", type=int, default=3, help="completions per client")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of a started daemon")
-    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of a started daemon")
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="device")
+    p.add_argument("--model", default=None, help="model of a started daemon (default: default)")
     args = p.parse_args(argv)
-    text = Path(args.file).read_text(encoding="utf-8")
-    if len(text.splitlines()) < 300:
-        print(f"note: {args.file} has fewer than 300 lines", file=sys.stderr)
+    files = [Path(f) for f in args.files.split(",") if f]
+    texts = [f.read_text(encoding="utf-8") for f in files]
+    extra = ["--device", args.device] + (["--model", args.model] if args.model else [])
+    lat, tp, status = {}, {"auto": {}, "off": {}}, {}
     proc = None
-    sock = args.socket
-    if sock is None:
-        extra = ["--device", args.device] + (["--model", args.model] if args.model else [])
-        proc, sock, _ = start_daemon(args.threads, extra)
     try:
-        lat = {}
-        for spec in ("auto", "off"):
-            if args.socket is None:  # a fresh daemon per method: equal, cold caches
+        for spec in ("auto", "off"):  # a fresh daemon per method: equal, cold caches
+            if proc is not None:
                 proc.terminate()
                 proc.wait(30)
-                proc, sock, _ = start_daemon(args.threads, extra)
-            lat[spec] = typing_latency(sock, text, args.samples, spec)
-        tp: dict[str, dict[int, dict]] = {"auto": {}, "off": {}}
+            proc, sock, _ = (None, args.socket, "") if args.socket else start_daemon(
+                args.threads, extra)  # fmt: skip
+            lat[spec] = typing_latency(sock, texts, spec, args.pause_ms / 1000)
         for n in [int(x) for x in args.clients.split(",") if x]:
             for spec in ("off", "auto"):
-                tp[spec][n] = throughput(sock, text, n, args.per_client, spec)
+                tp[spec][n] = throughput(sock, texts[0], n, args.per_client, spec)
         with Client(sock) as c:
             status = c.request("stats")
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    lines = len(text.splitlines())
-    print(f"file {args.file} ({lines} lines), model {status['model']}, {status['device']}")
-    print("latency of single-line complete (<= 16 tokens, typing, streamed), ms")
-    print(f"{'speculation':<12}{'n':>5}{'first p50':>11}{'first p99':>11}{'final p50':>11}"
-          f"{'final p99':>11}")  # fmt: skip
-    for spec, r in lat.items():
-        print(
-            f"{spec:<12}{r['n']:>5}{r['first_p50_ms']:>11.1f}{r['first_p99_ms']:>11.1f}"
-            f"{r['final_p50_ms']:>11.1f}{r['final_p99_ms']:>11.1f}"
-        )
+    report(files, lat, tp, status)
+    return 0
+
+
+def report(files: list[Path], lat: dict, tp: dict, status: dict) -> None:
+    print(f"files {', '.join(f.name for f in files)}, model {status.get('model')}, "
+          f"{status.get('device')}, {time.strftime('%Y-%m-%d')}")  # fmt: skip
+    print("latency of single-line complete (<= 16 tokens, streamed) while typing, ms")
+    head = f"{'speculation':<12}{'keystroke':<10}{'n':>5}{'first p50':>11}{'first p99':>11}"
+    print(head + f"{'final p50':>11}{'final p99':>11}")
+    for spec, kinds in lat.items():
+        for kind, r in kinds.items():
+            print(
+                f"{spec:<12}{kind:<10}{r['n']:>5}{r['first_p50_ms']:>11.1f}"
+                f"{r['first_p99_ms']:>11.1f}{r['final_p50_ms']:>11.1f}{r['final_p99_ms']:>11.1f}"
+            )
     print("throughput of multi-line complete (64 tokens), tokens/s")
     print(f"{'clients':<10}{'off':>10}{'auto':>10}{'auto/off':>10}")
     for n in tp["off"]:
         off, auto = tp["off"][n]["tokens_per_s"], tp["auto"][n]["tokens_per_s"]
         print(f"{n:<10}{off:>10.1f}{auto:>10.1f}{auto / off if off else 0:>10.2f}")
-    print(
-        json.dumps(
-            {
-                "bench": "latency",
-                "file": args.file,
-                "lines": lines,
-                "latency": lat,
-                "throughput": {s: {str(n): v for n, v in d.items()} for s, d in tp.items()},
-                "proposers": status["proposers"],
-            }
-        )
-    )
-    return 0
+    summary = {"bench": "latency", "files": [str(f) for f in files], "latency": lat}
+    summary["throughput"] = {s: {str(n): v for n, v in d.items()} for s, d in tp.items()}
+    print(json.dumps({**summary, "proposers": status.get("proposers")}))
 
 
 if __name__ == "__main__":
