@@ -142,21 +142,18 @@ def test_typing_simulation_each_complete_cancelled_by_the_next(daemon):
         await c.request("open", {"uri": uri, "text": text, "version": 0})
         prev = None
         pendings = []
-        col = 0
+        row, col = 1, 0  # the cursor
         for i in range(300):
-            ch = line[i % len(line)]
-            if i and i % len(line) == 0:
-                ch, col = "\n", -1
-            pos = {"line": 1 + i // len(line), "character": max(col, 0)}
+            ch = "\n" if i and i % len(line) == 0 else line[i % len(line)]
+            pos = {"line": row, "character": col}
             change = {"range": {"start": pos, "end": pos}, "text": ch}
             await c.request("change", {"uri": uri, "version": i + 1, "changes": [change]})
-            col += 1
+            row, col = (row + 1, 0) if ch == "\n" else (row, col + 1)
             if prev is not None:
                 await prev.cancel()
-            cur_line = 1 + (i + 1) // len(line)
             prev = c.start(
                 "complete",
-                {"uri": uri, "position": {"line": cur_line, "character": col}, "max_tokens": 4},
+                {"uri": uri, "position": {"line": row, "character": col}, "max_tokens": 4},
             )
             pendings.append(prev)
         last = await prev.result()
