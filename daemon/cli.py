@@ -184,12 +184,6 @@ def cmd_train_eagle(args: argparse.Namespace, rest: list[str]) -> int:
     return train_eagle.main(rest)
 
 
-def cmd_train_medusa(args: argparse.Namespace, rest: list[str]) -> int:
-    from codespec.daemon.training import train_medusa
-
-    return train_medusa.main(rest)
-
-
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from codespec.daemon.bench import dispatch
 
@@ -409,7 +403,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     passthrough = (
         ("train-eagle", "train an EAGLE-3 draft head (--help: its flags)", cmd_train_eagle),
-        ("train-medusa", "train Medusa draft heads (--help: its flags)", cmd_train_medusa),
         ("bench", _bench_help(), cmd_bench),
     )
     for name, text, func in passthrough:
@@ -420,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    passthrough = {"train-eagle", "train-medusa", "bench"}
+    passthrough = {"train-eagle", "bench"}
     if argv and argv[0] in passthrough:
         args, rest = parser.parse_known_args(argv[:1])
         rest = argv[1:]

@@ -1,27 +1,30 @@
-"""Measured target-forward costs by forward size: what a draft of n tokens costs to verify.
+"""The policy's one cost model: what a verify forward of n tokens costs, what a proposer
+costs to ask.
 
-Owns :class:`ForwardCosts`, one per engine: a decayed mean of the wall time of
-every target forward, bucketed by its token count (the root plus the draft),
-seeded by a short calibration (a few timed forwards of 1..64 tokens appended to
-the runner's cache and truncated away again, so the cache is left as it was).
-The speculation policy divides expected tokens by these costs.
+Owns :class:`ForwardCosts`, one per target model: a decayed mean of the wall
+time of every target forward (``StepResult.forward_ms``, the verification
+included), bucketed by its token count (the root plus the draft), optionally
+seeded with a table of timed forwards (:meth:`ForwardCosts.seed`; the engine
+times them, see ``policy.seed_costs``); and :class:`Line`, a decayed
+least-squares line of a time against a size (a proposer's own time against the
+draft it offers). The speculation policy divides expected tokens by these costs.
 
-Must not touch: decoding, verification, the cache's contents (calibration only
-appends and truncates back), proposers' own statistics.
+Must not touch: decoding, verification, the target model (nothing here runs a
+forward: the engine measures, the policy records).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 # Forward sizes (root + draft tokens) that have their own measurement; a size between
 # two of them is interpolated, one past the last is extrapolated linearly.
 SIZES = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128)
-CALIBRATE = (1, 2, 3, 4, 6, 8, 16, 32)
+# The forward sizes worth timing before the first request (``policy.seed_costs``).
+SEED_SIZES = (1, 2, 3, 4, 6, 8, 16, 32)
 
 
 def _bucket(n: int) -> int:
@@ -36,7 +39,7 @@ class ForwardCosts:
     decay: float = 0.9
     ms: list[float] = field(default_factory=lambda: [0.0] * len(SIZES))
     weight: list[float] = field(default_factory=lambda: [0.0] * len(SIZES))
-    calibrated: bool = False
+    seeded: bool = False
 
     def add(self, n: int, ms: float) -> None:
         """Record one forward of ``n`` tokens, in the bucket of the nearest measured size
@@ -88,27 +91,58 @@ class ForwardCosts:
         floor = max((m for s, m in pts if s <= n), default=0.0)
         return max(best, floor, 1e-3)
 
+    def table(self, most: int) -> list[float]:
+        """``[at(0), at(1), ..., at(most)]`` (``at(0)`` is ``at(1)``): one lookup per size
+        for a caller that weighs many sizes in one step."""
+        return [self.at(max(1, n)) for n in range(most + 1)]
+
     def relative(self, n: int) -> float:
         """Cost of an ``n``-token forward in plain decode steps."""
         return self.at(n) / self.at(1)
 
-    def calibrate(self, runner: Any, sizes: tuple[int, ...] = CALIBRATE, reps: int = 1) -> None:
-        """Time forwards of ``sizes`` tokens on top of the runner's cache and cut them off
-        again. Uses token id 0 everywhere (only the time matters)."""
-        base = runner.length
-        room = runner.max_length - base - 1
-        for n in sizes:
-            if n > room:
-                break
-            samples = []
-            for _ in range(reps + 1):  # the first of each size warms up and is dropped
-                t0 = time.perf_counter()
-                runner.forward([0] * n)
-                samples.append((time.perf_counter() - t0) * 1000)
-                runner.truncate(base)
-            samples = sorted(samples[1:])
-            self.add(n, samples[len(samples) // 2])
-        self.calibrated = True
+    def seed(self, table: Mapping[int, float]) -> None:
+        """Record timed forwards ``{tokens: ms}`` (a prior before any step is measured)."""
+        for n, ms in table.items():
+            self.add(int(n), float(ms))
+        self.seeded = True
 
     def as_dict(self) -> dict[str, float]:
         return {str(s): round(ms, 3) for s, ms in self.known()}
+
+
+@dataclass
+class Line:
+    """``t(n) = a + b * n`` fitted by decayed least squares over observed ``(n, ms)``; until
+    the sizes seen vary, the slope is 0 (the mean). Never negative in slope.
+
+    >>> line = Line()
+    >>> for n, ms in [(1, 3.0), (5, 7.0)] * 4:
+    ...     line.add(n, ms)
+    >>> round(line.at(3), 3), round(line.at(9), 3)
+    (5.0, 11.0)
+    """
+
+    decay: float = 0.9
+    w: float = 0.0
+    s_n: float = 0.0
+    s_nn: float = 0.0
+    s_t: float = 0.0
+    s_nt: float = 0.0
+
+    def add(self, n: float, ms: float) -> None:
+        k = self.decay
+        self.w, self.s_n, self.s_nn = k * self.w + 1, k * self.s_n + n, k * self.s_nn + n * n
+        self.s_t, self.s_nt = k * self.s_t + ms, k * self.s_nt + n * ms
+
+    @property
+    def measured(self) -> bool:
+        return self.w > 0
+
+    def at(self, n: float) -> float:
+        """Expected ms at size ``n`` (0 before anything was measured)."""
+        if not self.w:
+            return 0.0
+        mean_n, mean_t = self.s_n / self.w, self.s_t / self.w
+        var = self.s_nn / self.w - mean_n * mean_n
+        slope = (self.s_nt / self.w - mean_n * mean_t) / var if var > 0.25 else 0.0
+        return max(mean_t + max(slope, 0.0) * (n - mean_n), 0.0)

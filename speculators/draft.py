@@ -5,26 +5,32 @@ the context, which the engine has sampled but not yet fed to the model. A
 chain is a tree whose parents are ``i - 1``. Node ``i`` has ``parents[i] == -1``
 when it is a child of the root.
 
-Every proposer answers the same three calls, even where one is a no-op:
+Every proposer answers the same four calls, even where one is a no-op:
 
 - ``begin(request)``  a new request starts (prompt ids, document uri, params).
 - ``propose(context, budget) -> Draft | None``  ``context`` is every token of
   the request so far (prompt + generated, the root last); ``budget`` is the
-  most draft tokens the engine will verify this step. ``None`` or an empty
-  draft means "plain decode step".
-- ``observe(result)``  what the target accepted, for adaptive lengths and
-  acceptance statistics.
+  most draft tokens it may offer this step. ``None`` or an empty draft means
+  "nothing to offer".
+- ``observe(result)``  the step that verified (part of) its draft: what the
+  target accepted, and the verify forward's rows.
+- ``follow(result)``  a step another proposer drafted (or a plain step): keep
+  in step with the accepted tokens.
+
+Proposers are thin: they propose from what they see and keep in step with what
+was accepted. Whether a draft is worth verifying, how much of it, which
+proposer to ask and when to stop asking are the policy's (``policy.py``),
+measured in one place.
 
 This module knows nothing about models or tokenizers.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
@@ -37,12 +43,19 @@ class Draft:
     was *sampled* from, shape ``(V,)``; ``None`` marks a deterministic draft
     (q = 1 on the token), which is what n-gram, lookahead and top-k tree drafts
     are.
+
+    ``match``: for a draft copied from earlier text, the length of the longest
+    match behind it (the policy keys its acceptance figures on it); 0 otherwise.
+    ``origin``: for a draft the policy cut out of a proposer's draft
+    (:meth:`select`), that draft and the index there of each node.
     """
 
     tokens: list[int]
     parents: list[int] | None = None
     probs: list[torch.Tensor | None] | None = None
     sources: list[str] | None = None
+    match: int = 0
+    origin: tuple[Draft, list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -67,17 +80,43 @@ class Draft:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     @property
-    def depth(self) -> int:
-        """Nodes on the longest root-to-leaf path (0 for an empty draft).
+    def levels(self) -> list[int]:
+        """Each node's depth (1: a child of the root).
 
-        >>> Draft([5, 6, 7, 8], [-1, 0, 1, 0]).depth
-        3
+        >>> Draft([5, 6, 7, 8], [-1, 0, 1, 0]).levels
+        [1, 2, 3, 2]
         """
         assert self.parents is not None
         levels: list[int] = []
         for p in self.parents:
             levels.append(1 if p < 0 else levels[p] + 1)
-        return max(levels, default=0)
+        return levels
+
+    @property
+    def depth(self) -> int:
+        """Nodes on the longest root-to-leaf path (0 for an empty draft)."""
+        return max(self.levels, default=0)
+
+    def select(self, keep: Sequence[int]) -> Draft:
+        """The nodes ``keep`` (ascending; each one's parent among them or the root) as a
+        draft of their own that remembers where they came from (``origin``).
+
+        >>> d = Draft([5, 6, 7, 8], [-1, 0, 1, 0]).select([0, 3])
+        >>> d.tokens, d.parents, d.origin[1]
+        ([5, 8], [-1, 0], [0, 3])
+        """
+        assert self.parents is not None
+        keep = list(keep)
+        new = {old: i for i, old in enumerate(keep)}
+        parents = [new[self.parents[k]] if self.parents[k] >= 0 else -1 for k in keep]
+        return Draft(
+            [self.tokens[k] for k in keep],
+            parents,
+            [self.probs[k] for k in keep] if self.probs is not None else None,
+            [self.sources[k] for k in keep] if self.sources is not None else None,
+            match=self.match,
+            origin=(self, keep),
+        )
 
     def children(self) -> dict[int, list[int]]:
         """Map node index (-1 = root) to its children, in draft order."""
@@ -131,6 +170,7 @@ class Draft:
             self.parents[:budget],
             self.probs[:budget] if self.probs is not None else None,
             self.sources[:budget] if self.sources is not None else None,
+            match=self.match,
         )
 
 
@@ -161,6 +201,19 @@ class StepResult:
         """Accepted draft tokens, bonus token not counted."""
         return len(self.accepted)
 
+    def rows_of(self, draft: Draft | None) -> dict[int, int]:
+        """Node ``i`` of ``draft`` (a proposer's own draft, of which the policy may have
+        verified a part) -> its row in ``logits`` / ``hidden``; nodes that were not
+        verified are left out."""
+        verified = self.draft
+        if draft is None or verified is None:
+            return {}
+        if verified is draft:
+            return {i: i + 1 for i in range(len(draft))}
+        if verified.origin is not None and verified.origin[0] is draft:
+            return {node: row + 1 for row, node in enumerate(verified.origin[1])}
+        return {}
+
 
 @dataclass
 class RequestInfo:
@@ -181,11 +234,9 @@ class Proposer(Protocol):
     request after the prefill with the taps of every prompt position,
     ``(P, len(taps), H)``, cached positions included.
 
-    ``follow(result)`` (optional): the speculation policy ("auto") calls it instead of
-    ``observe`` on the proposers that were not in charge of a step, whose draft came
-    from another proposer; it keeps the proposer's state in step with the accepted
-    tokens without touching its acceptance statistics. A proposer without it is
-    restarted from the context when the policy next puts it in charge."""
+    The engine drives one proposer per request, the policy (``policy.py``), which
+    drives the proposers under it: ``observe`` on the one whose draft a step
+    verified, ``follow`` on the others."""
 
     name: str
 
@@ -195,28 +246,11 @@ class Proposer(Protocol):
 
     def observe(self, result: StepResult) -> None: ...
 
-
-R = TypeVar("R")
-
-
-class RuntimeCache(Generic[R]):
-    """What a proposer loads from a folder beside the model (a head, a draft model),
-    loaded once per engine and folder and dropped with the engine."""
-
-    def __init__(self) -> None:
-        self._by_engine: weakref.WeakKeyDictionary[Any, dict[str, R]] = weakref.WeakKeyDictionary()
-
-    def get(self, engine: Any, where: Path, load: Callable[[], R]) -> R:
-        """The runtime of ``engine`` for folder ``where``; ``load()`` makes it the first time."""
-        cache = self._by_engine.setdefault(engine, {})
-        key = str(where.resolve())
-        if key not in cache:
-            cache[key] = load()
-        return cache[key]
+    def follow(self, result: StepResult) -> None: ...
 
 
 class MissingWeights(LookupError):
-    """A model proposer (EAGLE, Medusa, draft model) has no weights for this model: nothing
+    """A model proposer (EAGLE) has no weights for this model: nothing
     at ``where``, the folder beside the model it reads them from. A ``LookupError``, so the
     daemon answers ``bad_params`` and ``auto`` leaves the proposer out.
 

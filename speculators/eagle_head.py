@@ -1,14 +1,14 @@
 """The EAGLE-3 draft head: its weights, its training forward, its inference runner, its files.
 
-Owns: :class:`EagleConfig` (the head's shape, the target taps it reads, the
-draft vocabulary), :class:`EagleHead` (the trainable module and its
+Owns: :class:`EagleHead` (the trainable module and its
 training-time-test forward), :class:`HeadRunner` (the inference forward over a
 static KV cache, with the same cache verbs as a model runner) and the files
 in vLLM's ``speculators`` EAGLE-3 layout (:func:`save_head`, :func:`load_head`).
 
-Must not touch: the target model, the engine, drafting policy (that is
-``eagle.py``). The head never owns the token embedding: it borrows the
-target's (frozen), as vLLM does when the head's file has no ``embed_tokens``.
+Must not touch: the target model, the engine, drafting (that is ``eagle.py``).
+The head's shape and the contents of its ``config.json`` are ``eagle_config.py``.
+The head never owns the token embedding: it borrows the target's (frozen), as
+vLLM does when the head's file has no ``embed_tokens``.
 
 Architecture (one Llama decoder layer whose attention reads ``2h``):
 
@@ -43,7 +43,7 @@ greedy proposal method, verifier); ``model.safetensors`` with ``fc.weight``,
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,170 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codespec.daemon.engine import cpu_gemm
+from codespec.speculators.eagle_config import EagleConfig, default_taps
+from codespec.speculators.target import Kernels, TorchKernels
 
-SPECULATORS_VERSION = "0.3.0"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-
-
-def default_taps(num_layers: int) -> tuple[int, int, int]:
-    """Low, middle and high taps that vLLM can serve (inputs of layers ``1 .. L-1``).
-
-    >>> default_taps(4), default_taps(32)
-    ((1, 2, 3), (2, 16, 29))
-    """
-    if num_layers >= 8:
-        return (2, num_layers // 2, num_layers - 3)
-    return (min(1, num_layers - 1), num_layers // 2, num_layers - 1)
-
-
-@dataclass
-class EagleConfig:
-    """The head's shape, what it reads from the target and how it maps its vocabulary."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    taps: tuple[int, ...]
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    norm_before_residual: bool = False
-    speculative_tokens: int = 4
-    verifier_name_or_path: str | None = None
-    verifier_architectures: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.taps = tuple(int(t) for t in self.taps)
-        if len(self.taps) != 3:
-            raise ValueError(f"an EAGLE-3 head reads three taps, got {self.taps}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("attention heads must be a multiple of key/value heads")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft vocabulary {self.draft_vocab_size} of {self.vocab_size}")
-
-    @classmethod
-    def for_target(
-        cls,
-        target: Any,
-        draft_vocab_size: int | None = None,
-        taps: tuple[int, ...] | None = None,
-        intermediate_size: int | None = None,
-        name_or_path: str | None = None,
-    ) -> EagleConfig:
-        """A head shaped like one layer of ``target`` (a transformers config)."""
-        from codespec.daemon.engine.lean import _rope_params
-
-        heads = int(target.num_attention_heads)
-        hidden = int(target.hidden_size)
-        _, theta, _ = _rope_params(target)
-        return cls(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(target, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(target, "head_dim", None) or hidden // heads),
-            intermediate_size=int(intermediate_size or target.intermediate_size),
-            vocab_size=int(target.vocab_size),
-            draft_vocab_size=int(draft_vocab_size or target.vocab_size),
-            taps=tuple(taps or default_taps(int(target.num_hidden_layers))),
-            rms_norm_eps=float(getattr(target, "rms_norm_eps", 1e-5)),
-            rope_theta=theta,
-            max_position_embeddings=int(getattr(target, "max_position_embeddings", 2048)),
-            verifier_name_or_path=name_or_path,
-            verifier_architectures=list(getattr(target, "architectures", None) or []),
-        )
-
-    def to_speculators(self) -> dict[str, Any]:
-        """``config.json`` in vLLM's ``speculators`` EAGLE-3 layout."""
-        layer = {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": 1,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-        }
-        return {
-            "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
-            "speculators_version": SPECULATORS_VERSION,
-            "transformer_layer_config": layer,
-            "draft_vocab_size": self.draft_vocab_size,
-            "norm_before_residual": self.norm_before_residual,
-            "target_hidden_size": None,
-            "eagle_aux_hidden_state_layer_ids": list(self.taps),
-            "embed_requires_grad": False,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "default_proposal_method": "greedy",
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": self.speculative_tokens,
-                        "accept_tolerance": 0.0,
-                        "verifier_accept_k": 1,
-                    }
-                ],
-                "verifier": {
-                    "name_or_path": self.verifier_name_or_path,
-                    "architectures": list(self.verifier_architectures),
-                },
-            },
-        }
-
-    @classmethod
-    def from_speculators(cls, data: dict[str, Any]) -> EagleConfig:
-        if data.get("speculators_model_type") != "eagle3":
-            raise ValueError(
-                f"not an EAGLE-3 head (speculators_model_type is "
-                f"{data.get('speculators_model_type')!r})"
-            )
-        layer = data["transformer_layer_config"]
-        if int(layer.get("num_hidden_layers", 1)) != 1:
-            raise ValueError("only one-layer EAGLE-3 heads are supported")
-        theta = layer.get("rope_theta")
-        if theta is None:
-            theta = (layer.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        heads = int(layer["num_attention_heads"])
-        spec = data.get("speculators_config") or {}
-        methods = spec.get("proposal_methods") or [{}]
-        verifier = spec.get("verifier") or {}
-        taps = data.get("eagle_aux_hidden_state_layer_ids")
-        if not taps:
-            raise ValueError("the head's config names no eagle_aux_hidden_state_layer_ids")
-        return cls(
-            hidden_size=int(layer["hidden_size"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
-            head_dim=int(layer.get("head_dim") or int(layer["hidden_size"]) // heads),
-            intermediate_size=int(layer["intermediate_size"]),
-            vocab_size=int(layer["vocab_size"]),
-            draft_vocab_size=int(data.get("draft_vocab_size") or layer["vocab_size"]),
-            taps=tuple(taps),
-            rms_norm_eps=float(layer.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
-            norm_before_residual=bool(data.get("norm_before_residual", False)),
-            speculative_tokens=int(methods[0].get("speculative_tokens", 4)),
-            verifier_name_or_path=verifier.get("name_or_path"),
-            verifier_architectures=list(verifier.get("architectures") or []),
-        )
 
 
 def rope_tables(positions: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,6 +314,11 @@ class HeadRunner:
     their pre-norm outputs ``(T, h)`` and draft logits ``(T, draft_vocab)``;
     :meth:`truncate` rolls back. Positions are passed in, never derived, so
     tree levels can share a depth.
+
+    Products go through ``kernels`` (the target's, from
+    :meth:`~codespec.speculators.target.TargetModel.kernels`: on an AVX2 CPU the
+    lean runner's panels, 16-bit where a shipped head's weights are exact in 16
+    bits); torch's by default.
     """
 
     def __init__(
@@ -482,6 +328,7 @@ class HeadRunner:
         max_length: int,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        kernels: Kernels | None = None,
     ) -> None:
         cfg = head.cfg
         self.cfg = cfg
@@ -489,13 +336,11 @@ class HeadRunner:
         self.dtype = dtype
         self.max_length = int(max_length)
         layer = head.layers[0]
-        # fp32 on an AVX2 CPU: products through the cpu_gemm kernel, as the lean runner;
-        # weights exact in 16 bits (a shipped head) as 16-bit panels: same outputs, half the bytes
-        self.kernels = cpu_gemm.usable(self.device, dtype)
+        self.kernels: Kernels = kernels if kernels is not None else TorchKernels()
+        kn = self.kernels
 
         def t(w: torch.Tensor) -> torch.Tensor:  # (out, in) -> (in, out): x @ W is fastest here
-            w = w.detach().to(self.device, dtype).t().contiguous()
-            return cpu_gemm.maybe_pack(w, self.kernels, half=True)
+            return kn.pack(w.detach().to(self.device, dtype).t().contiguous())
 
         def v(w: torch.Tensor) -> torch.Tensor:
             return w.detach().to(self.device, dtype).contiguous()
@@ -538,7 +383,7 @@ class HeadRunner:
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """``(T, 3, h)`` target taps → ``(T, h)``."""
         x = taps.to(self.device, self.dtype).flatten(-2)
-        return cpu_gemm.linear(x.reshape(-1, x.shape[-1]), self.w_fc).view(*x.shape[:-1], -1)
+        return self.kernels.linear(x.reshape(-1, x.shape[-1]), self.w_fc).view(*x.shape[:-1], -1)
 
     @torch.inference_mode()
     def forward(
@@ -566,40 +411,50 @@ class HeadRunner:
         nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         eps = cfg.rms_norm_eps
         hid = hidden.to(self.device, self.dtype)
-        e = cpu_gemm.norm(F.embedding(ids_t, self.embed), self.ln_in, eps, self.kernels)
-        hn = cpu_gemm.norm(hid, self.ln_hid, eps, self.kernels)
+        kn = self.kernels
+        e = kn.norm(F.embedding(ids_t, self.embed), self.ln_in, eps)
+        hn = kn.norm(hid, self.ln_hid, eps)
         residual = hn if cfg.norm_before_residual else hid
-        a = cpu_gemm.linear(torch.cat([e, hn], dim=-1), self.w_qkv)  # (T, (NH+2KV)*D)
+        a = kn.linear(torch.cat([e, hn], dim=-1), self.w_qkv)  # (T, (NH+2KV)*D)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (T, 1, D)
         qk = apply_rope(a[:, : (nh + nkv) * d].view(n, nh + nkv, d), cos, sin)
         self.kv[0, :, past:total] = qk[:, nh:].transpose(0, 1)  # (KV, T, D)
         self.kv[1, :, past:total] = a[:, (nh + nkv) * d :].view(n, nkv, d).transpose(0, 1)
-        # Grouped-query attention without repeating the cache: the g query heads of one
-        # kv head are folded into the query axis, rows (t, g) t-major (as the lean runner).
-        g = nh // nkv
-        q = qk[:, :nh].reshape(n, nkv, g, d).transpose(0, 1).reshape(1, nkv, n * g, d)
+        o = self._attend(qk[:, :nh], past, allowed)  # (T, NH*D)
+        x = kn.linear(o, self.w_o, residual)
+        post = kn.norm(x, self.ln_post, eps)
+        gu = kn.linear(post, self.w_gu)  # (T, 2I)
+        inter = cfg.intermediate_size
+        x = kn.linear(F.silu(gu[:, :inter]) * gu[:, inter:], self.w_down, x)  # (T, h)
+        last = x[-1:] if last_only else x
+        logits = kn.linear(kn.norm(last, self.ln_out, eps), self.w_lm)
+        self.length = total
+        return x, logits.float()
+
+    def _attend(self, q: torch.Tensor, past: int, allowed: torch.Tensor | None) -> torch.Tensor:
+        """Attention of the ``T`` new entries' queries ``(T, NH, D)`` over the cache (their
+        own keys already written at ``past..``); ``(T, NH*D)``.
+
+        Grouped-query attention without repeating the cache: the g query heads of one kv
+        head are folded into the query axis, rows (t, g) t-major (as the lean runner)."""
+        n, nh, d = q.shape
+        nkv = self.cfg.num_key_value_heads
+        g, total = nh // nkv, past + n
+        q = q.reshape(n, nkv, g, d).transpose(0, 1).reshape(1, nkv, n * g, d)
         mask = None
         if allowed is None and n > 1:
             ar = torch.arange(total, device=self.device)
             allowed = ar[None, :] <= ar[past:total, None]  # a chain after the cache
         if allowed is not None:
             mask = allowed.to(self.device)[:, None, :].expand(n, g, total).reshape(n * g, total)
-        if mask is None and n == 1 and self.kernels:  # one entry that sees the whole cache
-            o = cpu_gemm.attention(q[0], self.kv[0], self.kv[1], past, 1)
-        else:
+        o = None
+        if mask is None and n == 1:  # one entry that sees the whole cache: the kernel's, if any
+            o = self.kernels.decode_attention(q[0], self.kv[0], self.kv[1], past)
+        if o is None:
             o = F.scaled_dot_product_attention(
                 q, self.kv[None, 0, :, :total], self.kv[None, 1, :, :total], attn_mask=mask
             )  # (1, KV, T*G, D)
-        o = o.view(nkv, n, g * d).transpose(0, 1).reshape(n, nh * d)  # (T, NH*D)
-        x = cpu_gemm.linear(o, self.w_o, None, residual)
-        post = cpu_gemm.norm(x, self.ln_post, eps, self.kernels)
-        gu = cpu_gemm.linear(post, self.w_gu)  # (T, 2I)
-        inter = cfg.intermediate_size
-        x = cpu_gemm.linear(F.silu(gu[:, :inter]) * gu[:, inter:], self.w_down, None, x)  # (T, h)
-        last = x[-1:] if last_only else x
-        logits = cpu_gemm.linear(cpu_gemm.norm(last, self.ln_out, eps, self.kernels), self.w_lm)
-        self.length = total
-        return x, logits.float()
+        return o.view(nkv, n, g * d).transpose(0, 1).reshape(n, nh * d)
 
 
 def head_size(head: EagleHead) -> dict[str, Any]:

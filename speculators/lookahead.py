@@ -58,21 +58,18 @@ else a random context token.
 
 Size: the window has ``sum_{l < L} (W - l)`` nodes, the pool branch at most
 ``G * (N - 1)``. A budget too small for the whole window narrows it for the
-step (fewer columns); columns left out are not updated. On a CPU every
-verified row costs about a tenth of a plain step, so the window backs off:
-its yield is (window tokens accepted + pool tokens accepted from n-grams it
-harvested) per window node, a moving average; below ``min_yield`` the window
-sleeps 1, 2, 4 .. 32 steps (pool-only drafts, the levels only slide), each
-run ended by a probing step with the window. ``min_yield = 0`` keeps it on
-(an accelerator, where extra rows cost next to nothing).
+step (fewer columns); columns left out are not updated. Which nodes are worth
+verifying is the policy's call (it keeps the part of the draft that pays, from
+acceptance it measured per source and depth): window nodes it leaves out are
+not updated either, the levels only slide. On a CPU, where every verified row
+costs about a tenth of a plain step and the window's own acceptance is near
+zero, that leaves mostly the pool.
 
-Defaults (W = 2, N = 4, G = 2, min_yield = 0.1) from ``codespec bench lookahead
+Defaults (W = 2, N = 4, G = 2) from ``codespec bench lookahead
 /tmp/wl/novel.jsonl --threads 1 --grid ...`` on the embedded model (2-core CPU)
 with the cpu_gemm kernels, empty pools for every decode: 2,4,2 gave 1.20x vs
 off, the earlier default 4,6,2 1.08x (fewer forwards, but each verify larger),
-one window column 1.23x, the pool alone (W = 0) 1.25x. The pool's hits are all
-there is on that CPU; the window's own acceptance is near zero, so it mostly
-sleeps.
+one window column 1.23x, the pool alone (W = 0) 1.25x.
 """
 
 from __future__ import annotations
@@ -84,7 +81,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
-from codespec.speculators.ngram import ProposerStats
 
 __all__ = [
     "LookaheadProposer",
@@ -104,9 +100,6 @@ MAX_DOCUMENTS = 64  # pools kept per engine (least recently used dropped first)
 DEFAULT_W = 2
 DEFAULT_N = 4
 DEFAULT_G = 2
-DEFAULT_MIN_YIELD = 0.1  # a window node costs ~1/10 of a plain step on this CPU
-MAX_BACKOFF = 32  # the most steps in a row the window sleeps
-_MAX_HARVESTED = 4096  # harvested n-grams remembered per request
 
 
 class NgramPool:
@@ -245,11 +238,10 @@ class LookaheadProposer:
 
     ``window`` (W): columns of level 0 (0: pool only); ``ngram`` (N): n-gram
     length, the window holds up to N - 1 levels; ``guesses`` (G): pool
-    continuations per key, all verified each step; ``store``: where pools live
+    continuations per key, all offered each step; ``store``: where pools live
     across requests; ``index``: an :class:`NgramIndex` whose continuations of the
-    root's suffix join the pool; ``min_yield``: the window's back-off threshold
-    in accepted tokens per window node (0 keeps the window always on);
-    ``seed``: the random fill's seed (drafts are deterministic per request).
+    root's suffix join the pool; ``seed``: the random fill's seed (drafts are
+    deterministic per request).
     """
 
     name = "lookahead"
@@ -262,8 +254,6 @@ class LookaheadProposer:
         *,
         store: PoolStore | None = None,
         index: Any = None,
-        min_yield: float = DEFAULT_MIN_YIELD,
-        max_backoff: int = MAX_BACKOFF,
         seed: int = 0,
     ) -> None:
         if window < 0 or ngram < 2 or guesses < 0:
@@ -271,29 +261,17 @@ class LookaheadProposer:
         self.W, self.N, self.G = window, ngram, guesses
         self.store = store if store is not None else PoolStore()
         self.index = index
-        self.min_yield = min_yield
-        self.max_backoff = max_backoff
         self.seed = seed
-        self.stats = ProposerStats()
         self.pool = self.store.pool(None, ngram, guesses)
         self._uri: str | None = None
         self._rng = random.Random(seed)
         self._levels: list[Level] = []
         self._context: list[int] = []  # the context the pool has absorbed (prompt + generated)
         self._pooled = 0  # n-grams of _context starting before this index are in the pool
-        # n-grams this proposer's window harvested (insertion-ordered, bounded), to credit
-        # the window with the pool hits they give
-        self._harvested: dict[tuple[int, ...], None] = {}
-        self._yield: float | None = None  # EMA of accepted tokens per window node
-        self._credit = 0  # pool tokens accepted from harvested n-grams since the last window step
-        self._skip = 0  # steps left without the window (backing off)
-        self._backoff = 1
-        # the last draft: its window nodes by (level, column), how many columns it had,
-        # and which of its pool nodes lie on a harvested n-gram
+        # the last draft, its window nodes by (level, column) and how many columns it had
         self._draft: Draft | None = None
         self._nodes: dict[tuple[int, int], int] = {}
         self._columns = 0
-        self._from_window: set[int] = set()
 
     # -- the Proposer protocol --------------------------------------------------------
 
@@ -301,108 +279,86 @@ class LookaheadProposer:
         self._uri = request.uri
         self.pool = self.store.pool(request.uri, self.N, self.G)
         self._rng = random.Random(self.seed)
-        prompt = [int(t) for t in request.prompt_ids]
         self._context = []
         self._pooled = 0
-        self._sync(prompt)  # the prompt's own n-grams, the latest first in their lists
+        self._sync([int(t) for t in request.prompt_ids])  # the prompt's own n-grams
         self._levels = [[None] * self.W] if self.W else []
-        self._yield, self._credit, self._skip, self._backoff = None, 0, 0, 1
         self._forget_draft()
 
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
-        self.stats.steps += 1
         self._forget_draft()
         if budget <= 0 or not context:
             return None
         self._sync(context)
-        root = int(context[-1])
         if self.index is not None:
             self._from_index(context)
-        tokens: list[int] = []
-        parents: list[int] = []
-        sources: list[str] = []
-        conts = self.pool.get(root)[: self.G]
-        if conts:  # the verification branch
-            branch = Draft.from_paths([(list(c), POOL) for c in conts]).truncated(budget)
-            assert branch.parents is not None and branch.sources is not None
-            tokens, parents = list(branch.tokens), list(branch.parents)
-            sources = list(branch.sources)
-            self._from_window = _nodes_on(
-                branch, [c for c in conts if (root, *c) in self._harvested]
-            )
-        columns = 0
-        if self._levels and self._skip > 0:
-            self._skip -= 1
-        elif self._levels:  # the lookahead branch, as wide as the budget allows
-            room = budget - len(tokens)
-            levels = len(self._levels)
-            columns = self.W
-            while columns > 0 and window_nodes(columns, min(levels, columns)) > room:
-                columns -= 1
-            self._fill(context)
-            for lev in range(min(levels, columns)):
-                for j in range(lev, columns):
-                    if lev == 0:
-                        parent = self._nodes[(0, j - 1)] if j else -1
-                    else:
-                        parent = self._nodes[(lev - 1, j - 1)]
-                    tok = self._levels[lev][j]
-                    assert tok is not None
-                    self._nodes[(lev, j)] = len(tokens)
-                    tokens.append(tok)
-                    parents.append(parent)
-                    sources.append(WINDOW)
-        self._columns = columns
+        conts = self.pool.get(int(context[-1]))[: self.G]
+        branch = Draft.from_paths([(list(c), POOL) for c in conts]).truncated(budget)
+        tokens, parents = list(branch.tokens), list(branch.parents or [])
+        sources = list(branch.sources or [])
+        self._add_window(context, budget - len(tokens), tokens, parents, sources)
         if not tokens:
             return None
-        draft = Draft(tokens, parents, sources=sources)
-        self._draft = draft
-        self.stats.steps_with_draft += 1
-        self.stats.drafted_tokens += len(draft)
-        for src in sources:
-            self.stats.drafted_by_source[src] = self.stats.drafted_by_source.get(src, 0) + 1
-        return draft
+        self._draft = Draft(tokens, parents, sources=sources)
+        return self._draft
 
     def observe(self, result: StepResult) -> None:
-        draft = result.draft
-        mine = draft is not None and draft is self._draft
-        window_hits = 0
-        if draft is not None and len(draft):
-            self.stats.accepted_tokens += result.accepted_len
-            for node in result.accepted:
-                src = draft.source(node)
-                self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
-                window_hits += int(src == WINDOW)
-                self._credit += int(mine and node in self._from_window)
         emitted = max(1, len(result.tokens) or result.accepted_len + 1)
         if self._levels:
-            self._iterate(result, emitted, mine)
-        if mine and self._columns:
-            self._note_yield(window_hits)
+            self._iterate(result, emitted, result.rows_of(self._draft))
         self._forget_draft()
 
     def follow(self, result: StepResult) -> None:
-        """A step another proposer drafted (the auto policy's choice): slide the window by
-        the tokens it emitted; the pool absorbs them at the next ``propose``."""
+        """A step another proposer drafted: slide the window by the tokens it emitted; the
+        pool absorbs them at the next ``propose``."""
         self._slide(max(1, len(result.tokens)))
         self._forget_draft()
 
     # -- helpers --------------------------------------------------------------------
 
+    def _add_window(
+        self,
+        context: Sequence[int],
+        room: int,
+        tokens: list[int],
+        parents: list[int],
+        sources: list[str],
+    ) -> None:
+        """The lookahead branch after the pool's, as wide as ``room`` allows."""
+        if not self._levels:
+            return
+        levels = len(self._levels)
+        columns = self.W
+        while columns > 0 and window_nodes(columns, min(levels, columns)) > room:
+            columns -= 1
+        self._fill(context)
+        for lev in range(min(levels, columns)):
+            for j in range(lev, columns):
+                if lev == 0:
+                    parent = self._nodes[(0, j - 1)] if j else -1
+                else:
+                    parent = self._nodes[(lev - 1, j - 1)]
+                tok = self._levels[lev][j]
+                assert tok is not None
+                self._nodes[(lev, j)] = len(tokens)
+                tokens.append(tok)
+                parents.append(parent)
+                sources.append(WINDOW)
+        self._columns = columns
+
     def _slide(self, emitted: int) -> None:
         """Every level moves ``emitted`` columns left; the columns that slide in are empty."""
         self._levels = [(lev[emitted:] + [None] * emitted)[: self.W] for lev in self._levels]
 
-    def _iterate(self, result: StepResult, emitted: int, mine: bool) -> None:
-        """The Jacobi update from the top level's rows, the harvest, and the slide."""
+    def _iterate(self, result: StepResult, emitted: int, rows: dict[int, int]) -> None:
+        """The Jacobi update from the verified top-level nodes' rows, the harvest, the slide."""
         new: Level = [None] * (self.W + 1)
         top = len(self._levels) - 1
-        draft = result.draft
-        if mine and draft is not None and result.logits is not None and self._columns > top:
-            cols = [j for j in range(top, self._columns) if self._nodes[(top, j)] < len(draft)]
+        if result.logits is not None and self._columns > top:
+            cols = [j for j in range(top, self._columns) if self._nodes[(top, j)] in rows]
             if cols:
-                rows = [self._nodes[(top, j)] + 1 for j in cols]
-                best = result.logits[rows].argmax(dim=-1).tolist()  # (len(cols),)
+                picked = [rows[self._nodes[(top, j)]] for j in cols]
+                best = result.logits[picked].argmax(dim=-1).tolist()  # (len(cols),)
                 for j, tok in zip(cols, best, strict=True):
                     new[j + 1] = int(tok)
         if all(t is None for t in new):  # nothing learned: only slide
@@ -411,27 +367,9 @@ class LookaheadProposer:
         self._levels, grams = jacobi_step(self._levels, new, self.N, emitted)
         for gram in grams:
             self.pool.add(gram)
-            key = tuple(gram)
-            self._harvested.pop(key, None)
-            self._harvested[key] = None
-        while len(self._harvested) > _MAX_HARVESTED:
-            del self._harvested[next(iter(self._harvested))]
-
-    def _note_yield(self, window_hits: int) -> None:
-        """Back-off: the window sleeps 1, 2, 4 .. steps while it yields under ``min_yield``."""
-        nodes = window_nodes(self._columns, min(len(self._levels), self._columns))
-        y = (window_hits + self._credit) / max(1, nodes)
-        self._credit = 0
-        self._yield = y if self._yield is None else 0.7 * self._yield + 0.3 * y
-        if self._yield < self.min_yield:
-            self._skip = self._backoff
-            self._backoff = min(self.max_backoff, 2 * self._backoff)
-        else:
-            self._backoff = 1
 
     def _forget_draft(self) -> None:
         self._draft, self._nodes, self._columns = None, {}, 0
-        self._from_window = set()
 
     def _sync(self, context: Sequence[int]) -> None:
         """Add the n-grams of the context's new tokens to the pool (all of it when it changed)."""
@@ -470,18 +408,6 @@ class LookaheadProposer:
                         row[j] = int(context[self._rng.randrange(len(context))])
                 else:
                     row[j] = self._levels[lev - 1][j]
-
-
-def _nodes_on(branch: Draft, paths: Sequence[Sequence[int]]) -> set[int]:
-    """Nodes of ``branch`` (a tree from root paths) that lie on one of ``paths``."""
-    if not paths:
-        return set()
-    assert branch.parents is not None
-    prefix: list[tuple[int, ...]] = []
-    for tok, p in zip(branch.tokens, branch.parents, strict=True):
-        prefix.append((*(prefix[p] if p >= 0 else ()), tok))
-    wanted = {tuple(path[:k]) for path in paths for k in range(1, len(path) + 1)}
-    return {i for i, pre in enumerate(prefix) if pre in wanted}
 
 
 def make(engine: Any, index: Any = None, **kw: Any) -> LookaheadProposer:

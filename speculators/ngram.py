@@ -2,42 +2,32 @@
 
 Owns: the per-request n-gram table over the context (prompt + generated so
 far, extended incrementally as the context grows), the longest-suffix matcher
-(:func:`match_continuations`, a pure function), the merge of several
-candidates into one tree draft within the step's budget, and the adaptive
-draft length.
+(:func:`match_continuations`, a pure function) and the merge of several
+candidates into one tree draft within the step's budget.
 
 Must not touch: models, KV caches, verification, the index's contents (it
-only calls :meth:`NgramIndex.lookup`). A step where nothing matches returns
-``None``: a plain decode step, no extra verify cost.
+only calls :meth:`NgramIndex.lookup`), how much of a draft is worth verifying
+(the policy keeps the part that pays, from acceptance it measured per match
+length and depth). A step where nothing matches returns ``None``.
 
 Sources, in the order their paths enter the tree (so that a tight budget keeps
 the best ones): ``ngram:prediction`` (an edit's old region or the client's
 prediction, when the request has one), ``ngram:context``, ``ngram:index``.
 
-Draft length: each path is at most ``min(L, 2 * n)`` tokens for a match of
-length ``n < max_n`` (short matches predict little) and ``L`` for a full-length
-match; siblings after the first get half of that. ``L`` adapts per request in
-:meth:`NgramProposer.observe`: it doubles (up to ``max_len``) when the deepest
-drafted path was accepted whole, halves (down to ``min_len``) when nothing was
-accepted, and stays put otherwise (a partial accept is a divergence, not a sign
-that drafts are too long).
-
-Back-off: when the moving average of accepted tokens per drafted step falls
-below ``min_gain``, the proposer skips drafting for 1, 2, 4, ... up to
-``max_backoff`` steps, probing once after each run, so that a request where
-drafts do not pay costs about what plain decoding costs.
+Shape: each path is at most ``min(budget, 2 * n)`` tokens for a match of length
+``n < max_n`` (a short match says little about what follows far after it) and
+``budget`` for a full-length match; siblings after the first get half of that.
+The draft's ``match`` is the longest match behind it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from codespec.ngram_index import NgramIndex
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 
-__all__ = ["NgramProposer", "ProposerStats", "SequenceMatcher", "match_continuations"]
+__all__ = ["NgramProposer", "SequenceMatcher", "match_continuations"]
 
 _MAX_OCCURRENCES = 64  # latest occurrences examined per lookup
 
@@ -135,48 +125,11 @@ class SequenceMatcher:
         return match_continuations(self.seq, ends, tail, g, max_n, k, b)
 
 
-@dataclass
-class ProposerStats:
-    """Counts for one proposer over its lifetime.
-
-    ``acceptance = accepted_tokens / drafted_tokens`` (draft nodes verified vs
-    accepted; the bonus token is not counted); ``mean_accepted = accepted_tokens
-    / steps_with_draft``.
-    """
-
-    steps: int = 0
-    steps_with_draft: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_by_source: dict[str, int] = field(default_factory=dict)
-    drafted_by_source: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.accepted_tokens / self.steps_with_draft if self.steps_with_draft else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "steps_with_draft": self.steps_with_draft,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance": self.acceptance,
-            "mean_accepted": self.mean_accepted,
-            "accepted_by_source": dict(self.accepted_by_source),
-            "drafted_by_source": dict(self.drafted_by_source),
-        }
-
-
 class NgramProposer:
     """Tree drafts from longest-suffix n-gram matches (context, prediction, index).
 
     ``min_n``/``max_n`` bound the match length, ``breadth`` the candidates per
-    source, ``init_len``/``min_len``/``max_len`` the adaptive path length.
+    source; ``use_context`` off leaves only the prediction and the index.
     """
 
     name = "ngram"
@@ -188,42 +141,22 @@ class NgramProposer:
         min_n: int = 2,
         max_n: int = 8,
         breadth: int = 4,
-        init_len: int = 4,
-        min_len: int = 1,
-        max_len: int = 32,
         use_context: bool = True,
-        min_gain: float = 1.0,
-        max_backoff: int = 32,
     ) -> None:
         if index is not None and min_n < index.min_n:
             raise ValueError(f"min_n ({min_n}) below the index's key length ({index.min_n})")
-        if not 1 <= min_len <= init_len <= max_len:
-            raise ValueError("need 1 <= min_len <= init_len <= max_len")
         self.index = index
         self.min_n = min_n
         self.max_n = max_n
         self.breadth = breadth
-        self.init_len = init_len
-        self.min_len = min_len
-        self.max_len = max_len
         self.use_context = use_context
-        self.min_gain = min_gain
-        self.max_backoff = max_backoff
-        self.draft_len = init_len
-        self._gain: float | None = None  # moving average of accepted tokens per drafted step
-        self._skip = 0  # plain steps left before the next draft
-        self._backoff = 1
-        self.stats = ProposerStats()
         self._uri: str | None = None
         self._context = SequenceMatcher(min_n)
         self._prediction: SequenceMatcher | None = None
         self._prompt_len = 0
-        self.last_match = 0  # the longest match behind the last draft (0: none)
 
     def begin(self, request: RequestInfo) -> None:
         self._uri = request.uri
-        self.draft_len = self.init_len
-        self._gain, self._skip, self._backoff = None, 0, 1
         self._context = SequenceMatcher(self.min_n)
         self._prompt_len = len(request.prompt_ids)
         self._prediction = None
@@ -231,83 +164,62 @@ class NgramProposer:
             self._prediction = SequenceMatcher(self.min_n)
             self._prediction.extend(request.draft_text_ids)
 
-    def _depth(self, n: int, rank: int) -> int:
+    @staticmethod
+    def _depth(n: int, rank: int, budget: int, max_n: int) -> int:
         # A match of max_n tokens may well be longer than we looked: no cap from n then.
-        depth = self.draft_len if n >= self.max_n else min(self.draft_len, 2 * n)
+        depth = budget if n >= max_n else min(budget, 2 * n)
         return max(1, depth >> (1 if rank else 0))
 
+    def _paths(
+        self, source: str, n: int, conts: Sequence[Sequence[int]], budget: int
+    ) -> list[tuple[list[int], str]]:
+        return [
+            (list(c[: self._depth(n, i, budget, self.max_n)]), source) for i, c in enumerate(conts)
+        ]
+
+    def _from_prediction(
+        self, context: Sequence[int], tail: Sequence[int], budget: int
+    ) -> tuple[list[tuple[list[int], str]], int]:
+        pred = self._prediction
+        if pred is None:
+            return [], 0
+        generated = context[self._prompt_len :]
+        if len(generated) < self.min_n and list(generated) == pred.seq[: len(generated)]:
+            # Too little generated to match on: the old text's start is the draft, as good
+            # as a full-length match.
+            start = len(generated)
+            return [(pred.seq[start : start + budget], "ngram:prediction")], self.max_n
+        n, conts = pred.match(tail, self.max_n, budget, self.breadth)
+        return self._paths("ngram:prediction", n, conts, budget), n if conts else 0
+
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
-        self.stats.steps += 1
         if budget <= 0 or not context:
             return None
+        tail = context[-self.max_n :]
+        paths, longest = self._from_prediction(context, tail, budget)
         if self.use_context:
             self._context.sync(context)
-        if self._skip > 0:  # backing off: drafts have not been paying for their verify cost
-            self._skip -= 1
-            return None
-        tail = context[-self.max_n :]
-        paths: list[tuple[list[int], str]] = []
-        longest = 0
-        pred = self._prediction
-        if pred is not None:
-            generated = context[self._prompt_len :]
-            if len(generated) < self.min_n and list(generated) == pred.seq[: len(generated)]:
-                # Too little generated to match on: the old text's start is the draft.
-                start = len(generated)
-                paths.append((pred.seq[start : start + self.draft_len], "ngram:prediction"))
-                longest = self.max_n  # the draft text's own start: as good as a full match
-            else:
-                n, conts = pred.match(tail, self.max_n, self.draft_len, self.breadth)
-                paths += [(c[: self._depth(n, i)], "ngram:prediction") for i, c in enumerate(conts)]
-                longest = max(longest, n if conts else 0)
-        if self.use_context:
-            n, conts = self._context.match(tail, self.max_n, self.draft_len, self.breadth)
-            paths += [(c[: self._depth(n, i)], "ngram:context") for i, c in enumerate(conts)]
+            n, conts = self._context.match(tail, self.max_n, budget, self.breadth)
+            paths += self._paths("ngram:context", n, conts, budget)
             longest = max(longest, n if conts else 0)
         if self.index is not None and len(tail) >= self.min_n:
             cands = self.index.lookup(
-                tail, uri=self._uri, k=self.draft_len, b=self.breadth, min_n=self.min_n
+                tail, uri=self._uri, k=budget, b=self.breadth, min_n=self.min_n
             )
-            paths += [(c.tokens[: self._depth(c.n, i)], "ngram:index") for i, c in enumerate(cands)]
+            paths += [
+                (c.tokens[: self._depth(c.n, i, budget, self.max_n)], "ngram:index")
+                for i, c in enumerate(cands)
+            ]
             longest = max([longest, *(c.n for c in cands)])
         paths = [p for p in paths if p[0]]
-        self.last_match = longest if paths else 0
         if not paths:
             return None
         draft = Draft.from_paths(paths).truncated(budget)
-        self.stats.steps_with_draft += 1
-        self.stats.drafted_tokens += len(draft)
-        for src in draft.sources or []:
-            self.stats.drafted_by_source[src] = self.stats.drafted_by_source.get(src, 0) + 1
+        draft.match = longest
         return draft
 
-    def declined(self) -> None:
-        """The speculation policy judged the last draft not worth its verify cost: back off
-        as after a failed draft (skip 1, 2, 4, ... steps), keeping the draft length."""
-        self._skip = self._backoff
-        self._backoff = min(self.max_backoff, self._backoff * 2)
-
     def observe(self, result: StepResult) -> None:
-        draft = result.draft
-        if draft is None or len(draft) == 0:
-            return
-        accepted = result.accepted_len
-        self.stats.accepted_tokens += accepted
-        for node in result.accepted:
-            src = draft.source(node)
-            self.stats.accepted_by_source[src] = self.stats.accepted_by_source.get(src, 0) + 1
-        if accepted >= draft.depth:
-            self.draft_len = min(self.max_len, self.draft_len * 2)
-        elif accepted == 0:
-            self.draft_len = max(self.min_len, self.draft_len // 2)
-        # Back-off: a verify forward with a draft costs more than a plain step (on a CPU
-        # 1.3-2x for a few tokens), so drafts must average at least min_gain accepted
-        # tokens. Below that, skip drafting for 1, 2, 4, ... steps, each run ended by a
-        # probing draft; a probe accepted whole resets the back-off.
-        self._gain = accepted if self._gain is None else 0.7 * self._gain + 0.3 * accepted
-        full = accepted >= draft.depth
-        if self._gain < self.min_gain and not full:
-            self._skip = self._backoff
-            self._backoff = min(self.max_backoff, self._backoff * 2)
-        else:
-            self._backoff = 1
+        """Nothing to learn: the next ``propose`` reads the context as it is."""
+
+    def follow(self, result: StepResult) -> None:
+        """Nothing to keep in step: the next ``propose`` reads the context as it is."""

@@ -1,83 +1,48 @@
 """Proposers by name: what ``speculation: "auto" | "off" | NAME`` resolves to.
 
-Owns the table of proposer factories. Each factory takes the engine (for its
-tokenizer, model and config) and an optional n-gram index, and returns a fresh
-proposer for one request stream. Must not touch decoding itself.
+Owns the table of proposer factories and :func:`make_proposer`. A factory takes
+the target model (:class:`~codespec.speculators.target.TargetModel`, the
+engine) and an optional n-gram index and returns a fresh proposer for one
+request stream. Every name but ``off`` resolves to the policy's
+:class:`~codespec.speculators.policy.Controller`: over every proposer the model
+has (``auto``) or over the one named, so a proposer used alone is measured,
+cut and backed off the same way. Must not touch: decoding itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from codespec.speculators.book import store_for
 from codespec.speculators.draft import Proposer
+from codespec.speculators.policy import Controller
+
+__all__ = ["FACTORIES", "UnknownProposer", "build", "make_proposer", "names"]
 
 Factory = Callable[[Any, Any], Proposer]
 
 
-def _ngram(engine: Any, index: Any) -> Proposer:
+def _ngram(target: Any, index: Any) -> Proposer:
     from codespec.speculators.ngram import NgramProposer
 
     return NgramProposer(index=index)
 
 
-def _eagle(engine: Any, index: Any) -> Proposer:
-    from codespec.speculators.eagle import EagleProposer
-
-    return EagleProposer.for_engine(engine)
-
-
-def _lookahead(engine: Any, index: Any) -> Proposer:
+def _lookahead(target: Any, index: Any) -> Proposer:
     from codespec.speculators.lookahead import make
 
-    return make(engine, index)
+    return make(target, index)
 
 
-def _draft(engine: Any, index: Any) -> Proposer:
-    from codespec.speculators.draft_model import make
+def _eagle(target: Any, index: Any) -> Proposer:
+    from codespec.speculators.eagle import EagleProposer
 
-    return make(engine, index)
-
-
-def _medusa(engine: Any, index: Any) -> Proposer:
-    from codespec.speculators.medusa import make
-
-    return make(engine, index)
+    return EagleProposer.load(target)
 
 
-FACTORIES: dict[str, Factory] = {
-    "ngram": _ngram,
-    "eagle": _eagle,
-    "lookahead": _lookahead,
-    "draft": _draft,
-    "medusa": _medusa,
-}
-
-# "auto" is the policy (codespec.speculators.policy): per step, the n-gram proposer,
-# a model proposer the engine's model has, or a plain step, by measured value.
-
-
-# The model proposers that read weights from a folder beside the model: name -> the
-# function giving that folder (MODEL/eagle, MODEL/medusa, MODEL/draft). Without them,
-# ``make_proposer`` raises MissingWeights (a LookupError: the daemon's bad_params) and
-# ``auto`` leaves the proposer out.
-def _weights_dirs() -> dict[str, Callable[[Any], Path]]:
-    from codespec.speculators.draft_model import draft_dir
-    from codespec.speculators.eagle import head_dir
-    from codespec.speculators.medusa import heads_dir
-
-    return {"eagle": head_dir, "medusa": heads_dir, "draft": draft_dir}
-
-
-def weights(engine: Any) -> dict[str, Path | None]:
-    """Per model proposer that needs weights: the folder holding them beside ``engine``'s
-    model, or None when there is none (nothing trained for this model)."""
-    out: dict[str, Path | None] = {}
-    for name, where in _weights_dirs().items():
-        folder = where(engine.model_path)
-        out[name] = folder if (folder / "config.json").exists() else None
-    return out
+# In the order auto asks them: the cheapest first.
+FACTORIES: dict[str, Factory] = {"ngram": _ngram, "lookahead": _lookahead, "eagle": _eagle}
 
 
 class UnknownProposer(ValueError):
@@ -88,20 +53,43 @@ def names() -> list[str]:
     return ["off", "auto", *FACTORIES]
 
 
-def make_proposer(name: str, engine: Any = None, index: Any = None) -> Proposer | None:
-    """A proposer for ``name``; ``None`` for "off" (plain decoding).
+def build(name: str, target: Any = None, index: Any = None) -> Proposer:
+    """The bare proposer ``name`` (no policy: it drafts every step, all it can).
 
-    A model proposer without weights for ``engine``'s model raises
+    A model proposer without weights for ``target``'s model raises
     :class:`~codespec.speculators.draft.MissingWeights` (``no eagle weights for this model
     (MODEL/eagle: not found; train them with ...)``), one whose weights do not fit the
     model another ``LookupError``."""
-    if name == "off":
-        return None
-    if name == "auto":
-        from codespec.speculators.policy import make
-
-        return make(engine, index)
     factory = FACTORIES.get(name)
     if factory is None:
         raise UnknownProposer(f"unknown speculation {name!r}; choose one of {', '.join(names())}")
-    return factory(engine, index)
+    return factory(target, index)
+
+
+def make_proposer(name: str, target: Any = None, index: Any = None) -> Controller | None:
+    """The policy's controller for ``name``; ``None`` for "off" (plain decoding)."""
+    if name == "off":
+        return None
+    if name == "auto":
+        return _auto(target, index)
+    return Controller(target, {name: build(name, target, index)}, store_for(target), name=name)
+
+
+def _auto(target: Any, index: Any) -> Controller:
+    """The controller over the n-gram proposer and every other proposer ``target``'s model
+    has (one without weights is left out and the store says why; a retired one is not
+    built). Without a target (nothing to measure or read states from): n-gram only."""
+    store = store_for(target)
+    children: dict[str, Proposer] = {"ngram": build("ngram", target, index)}
+    for name in FACTORIES:
+        if target is None or name in children:
+            continue
+        if store.available.get(name) is False or not store.usable(name):
+            continue
+        try:
+            children[name] = build(name, target, index)
+            store.available[name] = True
+        except (LookupError, ValueError, ImportError) as exc:  # no weights for this model
+            store.available[name] = False
+            store.why[name] = str(exc)
+    return Controller(target, children, store, name="auto")

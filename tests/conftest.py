@@ -126,14 +126,12 @@ SPEC_PROMPTS = {"count": 8, "tokens": 120, "seed": 11, "max_tokens": 24}
 
 @pytest.fixture(scope="session")
 def spec_engine(engine, tiny_model, tmp_path_factory):
-    """The ``engine`` fixture's model with weights for every model proposer beside it, made
-    here: ``eagle/`` and ``medusa/`` trained for a few steps on the first
-    ``SPEC_PROMPTS["count"]`` held-out prompts (``heldout_prompts(engine, n, tokens=120,
-    seed=11)``) and their 24-token greedy continuations, so drafts on those prompts really
-    get accepted; ``draft/`` the model itself with a little noise on its weights (mostly
-    accepted, with partial accepts)."""
+    """The ``engine`` fixture's model with an EAGLE head beside it, made here:
+    ``eagle/`` trained for a few steps on the first ``SPEC_PROMPTS["count"]``
+    held-out prompts (``heldout_prompts(engine, n, tokens=120, seed=11)``) and their
+    24-token greedy continuations, so drafts on those prompts really get accepted."""
     from codespec.daemon.engine.engine import Engine, GenParams
-    from helpers import draft_model_for, eagle_head_for, medusa_heads_for
+    from helpers import eagle_head_for
 
     folder = tmp_path_factory.mktemp("spec_model")
     for f in tiny_model.iterdir():
@@ -150,8 +148,6 @@ def spec_engine(engine, tiny_model, tmp_path_factory):
     torch.set_num_threads(1)  # small ops: a second thread only waits on a busy machine
     try:
         eagle_head_for(folder, folder / "eagle", train_on=seqs, steps=120)
-        medusa_heads_for(folder, folder / "medusa", train_on=seqs, steps=120)
-        draft_model_for(folder, folder / "draft", noise=0.05)
     finally:
         torch.set_num_threads(before)
     return Engine(folder, runner=os.environ.get("CODESPEC_TEST_RUNNER", "auto"))

@@ -69,6 +69,9 @@ class ScriptedProposer:
     def observe(self, result: StepResult) -> None:
         pass
 
+    def follow(self, result: StepResult) -> None:
+        pass
+
 
 def alive(pid: int) -> bool:
     """Running (a killed child nobody has reaped yet is a zombie: dead)."""
@@ -157,79 +160,4 @@ def eagle_head_for(
             opt.step()
             opt.zero_grad()
     save_head(head.eval(), out)
-    return out
-
-
-def medusa_heads_for(
-    model_dir: Path,
-    out: Path,
-    train_on: Sequence[Sequence[int]] = (),
-    steps: int = 0,
-    heads: int = 3,
-    draft_vocab: int = 1024,
-    seed: int = 0,
-) -> Path:
-    """Medusa heads for the model in ``model_dir``, saved at ``out`` (e.g. MODEL/medusa):
-    random, or trained for ``steps`` steps (``train_medusa.medusa_loss``) on ``train_on``."""
-    import torch
-
-    from codespec.daemon.training.train_medusa import medusa_loss
-    from codespec.speculators.medusa import MedusaConfig, MedusaHeads, save_heads
-
-    target = _target(model_dir)
-    cfg = MedusaConfig(
-        hidden_size=int(target.config.hidden_size),
-        vocab_size=int(target.config.vocab_size),
-        draft_vocab_size=draft_vocab,
-        num_heads=heads,
-        tap=target.num_layers,
-        rms_norm_eps=float(target.config.rms_norm_eps),
-    )
-    torch.manual_seed(seed)
-    mh = MedusaHeads(cfg)
-    tokens = [t for seq in train_on for t in seq]
-    mh.set_draft_vocab(_draft_vocab(cfg.vocab_size, draft_vocab, tokens, seed))
-    mh.init_from_target(target.model.model.norm.weight, target.lm_head)
-    if not steps:  # away from the init (which copies the target's head) so every weight matters
-        with torch.no_grad():
-            for p in mh.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-    else:
-        opt = torch.optim.AdamW(mh.parameters(), lr=1e-2, weight_decay=0.0)
-        runs = []
-        for seq in train_on:
-            x = torch.tensor([list(seq)])
-            taps, logits = target.run(x, (cfg.tap,))
-            runs.append((taps[:, :, 0], logits))
-        mh.train()
-        for step in range(steps):
-            last, logits = runs[step % len(runs)]
-            loss, _ = medusa_loss(mh, last, logits, 0.8)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    save_heads(mh.eval(), out)
-    return out
-
-
-def draft_model_for(model_dir: Path, out: Path, noise: float = 0.0, seed: int = 0) -> Path:
-    """A draft model for the model in ``model_dir`` at ``out`` (e.g. MODEL/draft): the model
-    itself with seeded Gaussian noise of relative size ``noise`` on every weight (0: its
-    drafts are always accepted; a little: mostly, with partial accepts), and its tokenizer
-    files, so it passes the draft-model proposer's tokenizer check."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    if noise:
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
-    model.save_pretrained(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(model_dir) / name).exists():
-            shutil.copyfile(Path(model_dir) / name, out / name)
     return out

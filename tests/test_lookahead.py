@@ -1,4 +1,5 @@
-"""LookaheadProposer: window tree shape, Jacobi update, pool, lossless decoding."""
+"""LookaheadProposer: window tree shape, Jacobi update (also from a draft the policy
+verified in part), pool, lossless decoding bare and under the policy."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def logits_for(draft: Draft, best: dict[int, int]) -> torch.Tensor:
 
 def test_window_tree_has_diagonal_parents_and_depths_equal_to_offsets() -> None:
     """Level 0 is a chain off the root; level l at column j hangs off level l-1 at j-1."""
-    prop = LookaheadProposer(window=4, ngram=3, guesses=2, min_yield=0.0)
+    prop = LookaheadProposer(window=4, ngram=3, guesses=2)
     prompt = list(range(10, 30))  # no repeated token: the pool has nothing for the root
     prop.begin(RequestInfo(prompt_ids=prompt))
     d1 = prop.propose(prompt, budget=16)
@@ -67,7 +68,7 @@ def test_jacobi_update_harvests_diagonal_ngrams_into_the_pool() -> None:
     levels, grams = jacobi_step([[1, 2, 3], [None, 4, 5]], [None, None, 6, 7], n=3, emitted=2)
     assert grams == [[1, 4, 6], [2, 5, 7]]
     assert levels == [[5, None, None], [6, 7, None]]  # slid two columns
-    prop = LookaheadProposer(window=3, ngram=3, guesses=4, min_yield=0.0)
+    prop = LookaheadProposer(window=3, ngram=3, guesses=4)
     prompt = list(range(100, 120))
     prop.begin(RequestInfo(prompt_ids=prompt))
     ctx = list(prompt)
@@ -80,7 +81,29 @@ def test_jacobi_update_harvests_diagonal_ngrams_into_the_pool() -> None:
         ctx.append(7)
     # step 1 stacked level 1 (all 50); step 2's diagonals (level 0, 50, 51) are 3-grams
     assert any((50, 51) in conts for conts in prop.pool.table.values())
-    assert any(gram[1:] == (50, 51) for gram in prop._harvested)
+
+
+def test_a_window_verified_in_part_updates_only_the_columns_verified() -> None:
+    """The policy may verify part of the draft (``Draft.select``): the Jacobi update reads
+    the rows of the nodes it verified, found through ``StepResult.rows_of``, and leaves the
+    other columns unlearned."""
+    prop = LookaheadProposer(window=4, ngram=3, guesses=2)
+    prompt = list(range(10, 30))
+    prop.begin(RequestInfo(prompt_ids=prompt))
+    d1 = prop.propose(prompt, budget=16)
+    assert d1 is not None and d1.parents == [-1, 0, 1, 2]
+    verified = d1.select([0, 1])  # columns 0 and 1 only
+    rows = torch.zeros((1 + len(verified), VOCAB))
+    rows[1, 40] = rows[2, 41] = 1.0  # the argmax at the verified nodes
+    prop.observe(StepResult(verified, [], 5, [5], logits=rows))
+    d2 = prop.propose([*prompt, 5], budget=16)
+    assert d2 is not None
+    # the argmax at column j is level 1's guess for column j + 1, and the window slid by
+    # one: column 1 holds 41 (learned at column 1), columns 2 and 3 nothing learned (their
+    # level-0 nodes were not verified), so they are filled from the level below
+    level1 = {j: d2.tokens[i] for i, j in zip(range(4, 7), range(1, 4), strict=True)}
+    assert level1[1] == 41
+    assert level1[2] == d2.tokens[2] and level1[3] == d2.tokens[3]
 
 
 def test_pool_keeps_at_most_g_per_key_and_lives_per_document_across_requests() -> None:
@@ -116,12 +139,12 @@ def test_pool_branch_comes_first_and_small_budgets_fit() -> None:
     """The verification branch precedes the window; budgets 1 and 2 give drafts within them."""
     prompt = [3, 4, 5, 6, 3, 4, 5, 7, 8, 9, 3]
     for budget in (1, 2, 3):
-        prop = LookaheadProposer(window=4, ngram=3, guesses=2, min_yield=0.0)
+        prop = LookaheadProposer(window=4, ngram=3, guesses=2)
         prop.begin(RequestInfo(prompt_ids=prompt))
         d = prop.propose(prompt, budget=budget)
         assert d is not None and len(d) <= budget
         assert d.source(0) == POOL and d.tokens[0] == 4
-    prop = LookaheadProposer(window=4, ngram=3, guesses=2, min_yield=0.0)
+    prop = LookaheadProposer(window=4, ngram=3, guesses=2)
     prop.begin(RequestInfo(prompt_ids=prompt))
     d = prop.propose(prompt, budget=5)
     assert d is not None and d.sources == [POOL] * 2 + [WINDOW] * 3
@@ -159,23 +182,27 @@ def plain(engine, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def test_greedy_outputs_equal_plain_decoding(engine, one_thread) -> None:
-    """Temperature 0: lookahead emits plain decoding's tokens on held-out prompts, with the
-    window always on (min_yield 0) and with the defaults, and the drafts get accepted."""
+    """Temperature 0: lookahead emits plain decoding's tokens on held-out prompts, bare
+    (every node verified every step) and under the policy, and the drafts get accepted."""
     from codespec.daemon.engine.engine import GenParams
+    from codespec.speculators.policy import Controller
 
     store = PoolStore()
     accepted = {POOL: 0, WINDOW: 0}
+    drafted = {True: 0, False: 0}
     for prompt in heldout_prompts(engine, 4, tokens=120, seed=11):
         want = plain(engine, prompt, 40)
-        for kw in ({"min_yield": 0.0}, {}):
-            prop = LookaheadProposer(store=store, **kw)
-            got, stats = run(engine, prompt, GenParams(max_tokens=40), prop)
+        for bare in (True, False):
+            prop = LookaheadProposer(store=store)
+            driver = prop if bare else Controller(engine, {"lookahead": prop}, name="lookahead")
+            got, stats = run(engine, prompt, GenParams(max_tokens=40), driver)
             assert got == want
             assert stats is not None
             for src in accepted:
                 accepted[src] += stats.accepted.get(src, 0)
+            drafted[bare] += sum(stats.drafted.values())
     assert accepted[POOL] > 0
-    assert sum(prop.stats.drafted_by_source.values()) > 0
+    assert drafted[True] > 0 and drafted[False] > 0
 
 
 def test_tiny_budgets_and_sampling_finish(engine, one_thread) -> None:
@@ -185,15 +212,15 @@ def test_tiny_budgets_and_sampling_finish(engine, one_thread) -> None:
     prompt = heldout_prompts(engine, 1, tokens=100, seed=3)[0]
     want = plain(engine, prompt, 24)
     for cap in (1, 2):
-        prop = LookaheadProposer(min_yield=0.0)
+        prop = LookaheadProposer()
         got, _ = run(engine, prompt, GenParams(max_tokens=24, max_draft=cap), prop)
         assert got == want
     drafted = 0
     for seed in range(4):
-        prop = LookaheadProposer(min_yield=0.0)
+        prop = LookaheadProposer()
         info = RequestInfo(prompt_ids=prompt, temperature=0.8)
         params = GenParams(max_tokens=24, temperature=0.8, seed=seed)
         _, stats = engine.generate(prompt, params, prop, info)
         assert stats.finish_reason in ("length", "stop") and stats.tokens > 0
-        drafted += prop.stats.steps_with_draft
+        drafted += sum(stats.drafted.values())
     assert drafted > 0

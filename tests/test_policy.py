@@ -1,4 +1,5 @@
-"""The speculation policy ("auto") and the forward-cost table it divides by."""
+"""The speculation policy: the controller, the one place that measures, cuts drafts, picks
+proposers and backs off (speculators/policy.py, book.py, acceptance.py, costs.py)."""
 
 from __future__ import annotations
 
@@ -9,22 +10,13 @@ import torch
 
 from codespec.daemon.engine.engine import GenParams
 from codespec.speculators import policy
-from codespec.speculators.costs import ForwardCosts
-from codespec.speculators.draft import RequestInfo
+from codespec.speculators.acceptance import PRIOR_FIRST, Acceptance, Count, best_cut, node_keys
+from codespec.speculators.book import Avg, Book, PolicyStore, temperature_class
+from codespec.speculators.costs import ForwardCosts, Line
+from codespec.speculators.draft import Draft, RequestInfo, StepResult
 from codespec.speculators.ngram import NgramProposer
-from codespec.speculators.policy import (
-    FIRST_PAUSE,
-    TEMPERATURE_PRIOR,
-    TRIAL_STEPS,
-    AutoProposer,
-    Avg,
-    Book,
-    PolicyStore,
-    _rate,
-    depth_bucket,
-    temperature_class,
-)
-from codespec.speculators.registry import FACTORIES, make_proposer
+from codespec.speculators.policy import FIRST_PAUSE, TEMPERATURE_PRIOR, TRIAL_STEPS, Controller
+from codespec.speculators.registry import make_proposer
 from conftest import heldout_prompts
 from helpers import ScriptedProposer
 
@@ -37,34 +29,46 @@ REPEAT = (
 )
 
 
-class Positional(ScriptedProposer):
-    """Drafts by position in the oracle: nothing to keep in step when another proposer
-    drafted a step."""
-
-    def follow(self, result) -> None:
-        pass
-
-
-class Slow(Positional):
-    """Drafts that also take 50 ms to make: far behind plain decoding however busy the
-    machine is."""
+class Slow(ScriptedProposer):
+    """Drafts that take 50 ms to make: far behind plain decoding however busy the machine."""
 
     def propose(self, context, budget):
         time.sleep(0.05)
         return super().propose(context, budget)
 
 
-def costs(per_token: float) -> ForwardCosts:
-    """A cost table where a forward of n tokens takes 1 + per_token * (n - 1) ms (the
-    measured rest of a step, tens of ms on a busy machine, comes on top)."""
-    c = ForwardCosts()
-    for n in (1, 2, 4, 8, 16, 32, 64):
-        c.add(n, 1.0 + per_token * (n - 1))
-    c.calibrated = True
-    return c
+class Fixed:
+    """Offers the same chain every step and counts how often it was asked."""
+
+    name = "fixed"
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.asked, self.observed = tokens, 0, []
+
+    def begin(self, request) -> None:
+        pass
+
+    def propose(self, context, budget):
+        self.asked += 1
+        return Draft.chain(self.tokens[:budget], "fixed")
+
+    def observe(self, result) -> None:
+        self.observed.append(result)
+
+    def follow(self, result) -> None:
+        pass
 
 
-def plain(engine, prompt: list[int], n: int = 40) -> str:
+def store_with(per_token: float, rest: float = 0.0) -> PolicyStore:
+    """A store whose forward of n tokens takes 1 + per_token * (n - 1) ms and whose rest of
+    a step takes ``rest`` ms."""
+    store = PolicyStore()
+    store.costs.seed({n: 1.0 + per_token * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)})
+    store.rest.add(rest)
+    return store
+
+
+def plain(engine, prompt: list[int], n: int = 40) -> list[int]:
     engine.reset_cache()
     return engine.generate(prompt, GenParams(max_tokens=n))[0]
 
@@ -76,32 +80,146 @@ def run(engine, prompt: list[int], proposer, n: int = 40, temperature: float = 0
     )
 
 
-def test_forward_costs_interpolate_and_stay_monotone():
+def step(ctl: Controller, context: list[int], accepted: int) -> Draft | None:
+    """One step by hand: propose, then the first ``accepted`` nodes accepted (a chain). No
+    forward time: the store's seeded costs stand."""
+    draft = ctl.propose(context, 8)
+    n = len(draft) if draft is not None else 0
+    acc = list(range(min(accepted, n)))
+    tokens = [draft.tokens[a] for a in acc] + [0] if draft is not None else [0]
+    ctl.observe(StepResult(draft, acc, 0, tokens, forward_tokens=1 + n))
+    return draft
+
+
+# -- costs and acceptance --------------------------------------------------------------
+
+
+def test_forward_costs_interpolate_stay_monotone_and_take_a_seed():
     c = ForwardCosts()
     assert c.at(8) > c.at(1)  # a prior before any measurement
-    c.add(1, 4.0)
-    c.add(8, 8.0)
-    c.add(16, 6.0)  # noisy: a bigger forward measured cheaper
-    assert c.at(1) == 4.0
+    c.seed({1: 4.0, 8: 8.0, 16: 6.0})  # noisy: a bigger forward measured cheaper
+    assert c.seeded and c.at(1) == 4.0
     assert 4.0 < c.at(4) < 8.0
     assert c.at(16) >= c.at(8)  # never cheaper than a smaller one
-    assert c.relative(8) == 2.0
-    assert c.at(200) >= c.at(16)
+    assert c.relative(8) == 2.0 and c.at(200) >= c.at(16)
+    assert c.table(3) == [4.0, 4.0, c.at(2), c.at(3)]
+    line = Line()
+    for n, ms in [(1, 5.0), (4, 8.0), (8, 12.0)] * 10:
+        line.add(n, ms)
+    assert line.at(1) == pytest.approx(5.0, abs=0.2) and line.at(8) == pytest.approx(12, abs=0.2)
 
 
-def test_calibration_leaves_the_cache_as_it_was(engine):
-    prompt = heldout_prompts(engine, 1, tokens=64)[0]
-    engine.reset_cache()
-    engine.runner.forward(prompt)
-    length = engine.runner.length
-    c = ForwardCosts()
-    c.calibrate(engine.runner, sizes=(1, 4, 16), reps=1)
-    assert c.calibrated and {s for s, _ in c.known()} == {1, 4, 16}
-    assert engine.runner.length == length
-    after = engine.runner.forward([prompt[-1]]).logits[-1]
-    engine.reset_cache()
-    fresh = engine.runner.forward([*prompt, prompt[-1]], last_only=True).logits[-1]
-    torch.testing.assert_close(after, fresh, rtol=1e-4, atol=1e-4)
+def test_the_cut_keeps_the_likeliest_nodes_while_they_pay():
+    """Nodes likeliest first, as many as give the most tokens per ms; none when a plain
+    step is worth more; never more than the budget."""
+    ms = [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert best_cut([0.9, 0.8, 0.7, 0.05], 4, ms)[0] == [0, 1, 2]
+    assert best_cut([0.9, 0.8, 0.7, 0.05], 2, ms)[0] == [0, 1]
+    assert best_cut([0.05, 0.01], 4, ms) == ([], 0.1)  # a plain step: 1 token per 10 ms
+    # a tree: the sibling (node 2) is likelier than the grandchild (node 1)
+    assert best_cut([0.9, 0.3, 0.6], 2, ms)[0] == [0, 2]
+    expensive = [10.0, 30.0, 50.0]
+    assert best_cut([0.9, 0.8], 2, expensive)[0] == []
+
+
+def test_acceptance_counts_reached_nodes_and_drifts_back_to_the_prior():
+    """A node is counted when its parent was accepted; a later sibling has its own key;
+    unused figures decay towards the prior."""
+    d = Draft([5, 6, 7, 8], [-1, 0, 1, -1], sources=["s"] * 4, match=9)
+    keys = node_keys(d)
+    assert keys[0] == ("s", 4, 1, False) and keys[3] == ("s", 4, 1, True)
+    acc = Acceptance()
+    acc.learn(d, [0], now=1)  # node 0 accepted, node 1 rejected: node 2 never reached
+    assert acc.counts[keys[0]].hit == 1 and acc.counts[keys[1]].hit == 0
+    assert keys[2] not in acc.counts and acc.counts[keys[3]].reach == 1
+    for t in range(2, 30):
+        acc.learn(d, [], now=t)
+    assert acc.rate(keys[0], 30, PRIOR_FIRST) < 0.2
+    assert acc.rate(keys[2], 30, 0.42) == 0.42  # never reached: the prior given
+    later = acc.counts[keys[0]].rate(PRIOR_FIRST, 400)
+    assert later == pytest.approx(PRIOR_FIRST, abs=0.02)
+
+
+def test_a_cut_draft_remembers_its_rows():
+    d = Draft([5, 6, 7, 8], [-1, 0, 1, 0])
+    cut = d.select([0, 3])
+    assert cut.parents == [-1, 0] and cut.origin == (d, [0, 3])
+    res = StepResult(cut, [0], 9, [5, 9])
+    assert res.rows_of(d) == {0: 1, 3: 2} and res.rows_of(cut) == {0: 1, 1: 2}
+    assert res.rows_of(Draft([1])) == {}
+
+
+# -- the controller by hand ------------------------------------------------------------
+
+
+def test_drafts_are_cut_to_what_measured_acceptance_says_pays():
+    """Depths 1-2 of this proposer are accepted, deeper ones never: two nodes verified,
+    and the proposer observes the part verified (``rows_of`` finds its nodes)."""
+    store = store_with(0.2)
+    book = store.engine_wide.setdefault("greedy", Book())
+    for depth, hits in ((1, 50), (2, 50), (3, 0)):
+        book.accept.counts[("fixed", 0, depth, False)] = Count(hits, 50, 0)
+    fixed = Fixed(list(range(10, 18)))
+    ctl = Controller(None, {"fixed": fixed}, store, "fixed")
+    ctl.begin(RequestInfo(prompt_ids=[1, 2, 3]))
+    draft = ctl.propose([1, 2, 3], 8)
+    assert draft is not None and draft.tokens == [10, 11]
+    assert draft.origin is not None and draft.origin[1] == [0, 1]
+    ctl.observe(StepResult(draft, [0, 1], 0, [10, 11, 0], forward_ms=5.0, forward_tokens=3))
+    assert fixed.observed[-1].rows_of(draft.origin[0]) == {0: 1, 1: 2}
+    assert store.costs.at(3) > store_with(0.2).costs.at(3)  # the forward it measured
+    assert store.rest.n > 0
+
+
+def test_expensive_verify_means_plain_steps(engine):
+    prompt = engine.encode(REPEAT)
+    ctl = Controller(engine, {"ngram": NgramProposer()}, store_with(1000.0))
+    out, stats = run(engine, prompt, ctl)
+    assert out == plain(engine, prompt)
+    assert stats.target_forwards == stats.tokens  # the prefill gives the first token
+    assert stats.drafted == {} and set(ctl.choices) == {"plain"}
+
+
+def test_a_cheap_proposer_whose_drafts_fail_backs_off_then_recovers():
+    """Rejected drafts: not asked for 1, 2, 4 ... steps; one accepted token resets it."""
+    store = store_with(0.0)
+    fixed = Fixed([7, 7, 7])
+    ctl = Controller(None, {"fixed": fixed}, store, "fixed")
+    ctl.begin(RequestInfo(prompt_ids=[1, 2, 3]))
+    asked = []
+    for _ in range(12):
+        before = fixed.asked
+        step(ctl, [1, 2, 3], accepted=0)
+        asked.append(fixed.asked > before)
+    assert asked[:10] == [True, False, True, False, False, True] + [False] * 4
+    while True:  # the next probe is accepted...
+        before = fixed.asked
+        step(ctl, [1, 2, 3], accepted=3)
+        if fixed.asked > before:
+            break
+    before = fixed.asked
+    step(ctl, [1, 2, 3], accepted=3)
+    assert fixed.asked == before + 1  # asked again the very next step
+
+
+def test_temperature_has_its_own_figures_starting_below_greedy():
+    store = store_with(0.1)
+    greedy = store.engine_wide.setdefault("greedy", Book())
+    greedy.tokens["eagle"], greedy.ms["eagle"] = Avg(4.0, 5), Avg(2.0, 5)  # 2 tokens per ms
+    ctl = Controller(None, {"ngram": NgramProposer()}, store)
+    ctl.begin(RequestInfo(prompt_ids=[1, 2, 3], temperature=0.8))
+    assert ctl.tclass == "high"
+    assert ctl._speed("eagle") == 2.0 * TEMPERATURE_PRIOR
+    key = ("ngram:context", 4, 1, False)
+    assert ctl._rate(key) == pytest.approx(PRIOR_FIRST * TEMPERATURE_PRIOR)
+    ctl.glob.tokens["eagle"], ctl.glob.ms["eagle"] = Avg(1.0, 4), Avg(2.0, 4)  # its own
+    assert ctl._speed("eagle") == 0.5
+    ctl.begin(RequestInfo(prompt_ids=[1, 2, 3], temperature=0.0))
+    assert ctl._speed("eagle") == 2.0 and ctl._rate(key) == PRIOR_FIRST
+    assert [temperature_class(t) for t in (0.0, 0.3, 1.0)] == ["greedy", "low", "high"]
+
+
+# -- on an engine ----------------------------------------------------------------------
 
 
 def test_auto_output_equals_plain_decoding(engine):
@@ -111,189 +229,190 @@ def test_auto_output_equals_plain_decoding(engine):
         assert out == ref
 
 
-def test_expensive_drafts_mean_plain_steps(engine):
-    prompt = engine.encode(REPEAT)
-    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), {}, PolicyStore(costs(1000.0)))
-    out, stats = run(engine, prompt, auto)
-    assert out == plain(engine, prompt)
-    assert stats.target_forwards == stats.tokens  # the prefill gives the first token
-    assert stats.drafted == {}
-    assert set(auto.choices) == {"plain"}
+def test_a_named_proposer_runs_under_the_same_controller(engine):
+    for name in ("ngram", "lookahead"):
+        ctl = make_proposer(name, engine, None)
+        assert isinstance(ctl, Controller) and list(ctl.children) == [name]
+    assert make_proposer("off", engine, None) is None
 
 
 def test_cheap_drafts_on_repeated_code_mean_ngram_steps(real_engine, one_thread):
-    """The real model continues repeated code by repeating it: cheap n-gram drafts from
-    the context are taken and accepted."""
+    """The real model continues repeated code by repeating it: n-gram drafts from the
+    context are verified and accepted, at temperature 0 and 0.8 (its own figures)."""
     engine = real_engine
     prompt = engine.encode(REPEAT)
-    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), {}, PolicyStore(costs(0.0)))
-    out, stats = run(engine, prompt, auto)
+    store = store_with(0.0)
+    ctl = Controller(engine, {"ngram": NgramProposer()}, store)
+    out, stats = run(engine, prompt, ctl)
     assert out == plain(engine, prompt)
-    assert auto.choices.get("ngram", 0) > 0
-    assert stats.target_forwards < stats.tokens
+    assert ctl.choices.get("ngram", 0) > 0 and stats.target_forwards < stats.tokens
+    ctl = Controller(engine, {"ngram": NgramProposer()}, store)
+    _, stats = run(engine, prompt, ctl, temperature=0.8)
+    assert sum(stats.accepted.values()) > 0
+    assert store.engine_wide["high"].accept.counts  # learnt apart from greedy
 
 
-def test_the_faster_model_proposer_wins(real_engine, one_thread):
-    """Untried model proposers get a trial each; then the one with the better measured
-    rate stays in charge (the other only gets a probe after a gap). On the real model: a
-    tiny model's sub-millisecond steps are measured within the noise of a shared machine."""
+def test_the_faster_proposer_wins(real_engine, one_thread):
+    """A slow proposer is asked once (unmeasured), then costly: with a fast proposer's
+    drafts taken every step it is never in charge, and the fast one's drafts, accepted
+    whole, grow deep. On the real model: a tiny model's steps are measured within the
+    noise of a shared machine."""
     engine = real_engine
     prompt = heldout_prompts(engine, 1, tokens=120, seed=5)[0]
-    engine.reset_cache()
-    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=120)) for t in d.token_ids]
-    good = Positional(oracle, "correct", engine.runner.vocab_size)
+    oracle = plain(engine, prompt, 120)
+    good = ScriptedProposer(oracle, "correct", engine.runner.vocab_size)
     bad = Slow(oracle, "random", engine.runner.vocab_size, seed=1)
-    store = PolicyStore(ForwardCosts())  # measured: calibrated when the request begins
-    models = {"eagle": bad, "lookahead": good}
-    silent = NgramProposer(use_context=False)  # no index either: it never drafts
-    auto = AutoProposer(engine, silent, models, store)
-    out, stats = run(engine, prompt, auto, n=120)
-    assert out == plain(engine, prompt, 120)
-    glob = store.engine_wide["greedy"]
-    assert _rate(glob, "lookahead", 1) > _rate(glob, "eagle", 1)
-    assert auto.choices["eagle"] == TRIAL_STEPS  # its trial, and no second chance yet
-    assert auto.choices["lookahead"] > TRIAL_STEPS
+    ctl = Controller(engine, {"lookahead": good, "eagle": bad}, PolicyStore())
+    out, stats = run(engine, prompt, ctl, n=120)
+    assert out == oracle
+    assert ctl.choices == {"lookahead": stats.decode_steps}  # the slow one never in charge
     assert stats.target_forwards < stats.tokens / 4
 
 
-def test_temperature_has_its_own_figures_starting_below_greedy():
-    store = PolicyStore(costs(0.1))
+def test_a_measured_costly_proposer_beats_a_weaker_ngram_draft(engine):
+    """When the n-gram proposer has a draft but a costly proposer's measured speed beats it
+    by the margin, the costly proposer takes the step."""
+    prompt = engine.encode(REPEAT)
+    oracle = plain(engine, prompt, 60)
+    store = store_with(0.3)
+    store.own["eagle"] = Line()
+    store.own["eagle"].add(1, 1000.0)  # far too slow to ask every step
     greedy = store.engine_wide.setdefault("greedy", Book())
-    greedy.tokens["eagle"], greedy.ms["eagle"] = Avg(4.0, 5), Avg(2.0, 5)  # 2 tokens per ms
-    auto = AutoProposer(None, NgramProposer(), {}, store, calibrate=False)
-    auto.begin(RequestInfo(prompt_ids=[1, 2, 3], temperature=0.8))
-    assert auto.tclass == "high"
-    assert auto._figure("rate", "eagle") == 2.0 * TEMPERATURE_PRIOR
-    auto.glob.tokens["eagle"], auto.glob.ms["eagle"] = Avg(1.0, 4), Avg(2.0, 4)  # its own
-    assert auto._figure("rate", "eagle") == 0.5
-    auto.begin(RequestInfo(prompt_ids=[1, 2, 3], temperature=0.0))
-    assert auto._figure("rate", "eagle") == 2.0
-    assert [temperature_class(t) for t in (0.0, 0.3, 1.0)] == ["greedy", "low", "high"]
+    greedy.tokens["eagle"], greedy.ms["eagle"] = Avg(40.0, 8), Avg(1.0, 8)
+    good = ScriptedProposer(oracle, "correct", engine.runner.vocab_size)
+    ngram = NgramProposer()
+    ctl = Controller(engine, {"ngram": ngram, "eagle": good}, store)
+    out, _ = run(engine, prompt, ctl)
+    assert out == plain(engine, prompt)
+    assert ctl.choices.get("eagle", 0) > 0 and ctl.choices.get("ngram", 0) == 0
 
 
-def test_sampling_runs_finish(engine):
-    prompt = heldout_prompts(engine, 1, tokens=100, seed=2)[0]
-    _out, stats = run(engine, prompt, make_proposer("auto", engine, None), temperature=0.8)
-    assert stats.tokens > 0 and stats.finish_reason in ("length", "stop")
+def test_a_far_loser_retires_and_comes_back_for_one_trial(engine):
+    """A costly proposer far slower than plain decoding stops being built (no per-step
+    cost) until its retirement ends, then gets one fresh trial."""
+    prompt = heldout_prompts(engine, 1, tokens=120, seed=4)[0]
+    oracle = plain(engine, prompt, 40)
+    store = PolicyStore()
+
+    def build() -> Controller:
+        slow = Slow(oracle, "random", engine.runner.vocab_size, seed=2)
+        children = {"eagle": slow} if store.usable("eagle") else {}
+        return Controller(engine, {"ngram": NgramProposer(use_context=False), **children}, store)
+
+    ctl = build()
+    run(engine, prompt, ctl)
+    tried = ctl.choices["eagle"]
+    assert 1 <= tried <= 1 + TRIAL_STEPS  # its first ask, then at most a trial
+    assert "eagle" not in ctl.children and not store.usable("eagle")
+    assert list(build().children) == ["ngram"]  # not built while retired
+    store.steps = store.retired["eagle"].until  # the retirement is over
+    again = build()
+    assert "eagle" in again.children
+    run(engine, prompt, again)
+    assert again.choices["eagle"] == TRIAL_STEPS  # one fresh trial
+    assert store.pauses["eagle"] == 2 * FIRST_PAUSE  # and a longer pause after it
 
 
-def test_depth_buckets():
-    assert [depth_bucket(d) for d in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 3, 3, 4, 4, 5, 5, 6]
-
-
-@pytest.mark.parametrize("name", ["eagle", "lookahead", "medusa", "draft"])
-def test_model_proposers_follow_steps_they_did_not_draft(spec_engine, name, monkeypatch):
-    """With n-gram steps in between, a model proposer is kept in step by ``follow`` (never
-    restarted) and the output is still plain decoding's (the tiny model with weights for
-    every model proposer beside it)."""
+@pytest.mark.parametrize("name", ["eagle", "lookahead"])
+def test_proposers_follow_steps_they_did_not_draft(spec_engine, name, monkeypatch):
+    """With n-gram steps in between, a proposer is kept in step by ``follow`` and the
+    output is still plain decoding's (the tiny model with an EAGLE head beside it)."""
     from codespec.ngram_index import NgramIndex
+    from codespec.speculators.registry import build
 
     engine = spec_engine
     monkeypatch.setattr(policy, "CLOSE", 0.0)  # never retired here, however slow it is
     prompt = engine.encode(REPEAT)
-    engine.reset_cache()
-    out = [t for d in engine.stream(prompt, GenParams(max_tokens=48)) for t in d.token_ids]
+    out = plain(engine, prompt, 48)
     # a random model does not repeat its context: the n-gram drafts come from two open
     # documents holding pieces of what it writes (tokens 0-13 and 24-37 of its output)
     index = NgramIndex(engine.tokenizer.backend_tokenizer)
     index.open("file:///a.py", engine.decode(prompt[-24:] + out[:14]))
     index.open("file:///b.py", engine.decode(out[20:38]))
-    child = FACTORIES[name](engine, None)
-    ngram = NgramProposer(index=index, min_gain=0.0)
-    auto = AutoProposer(engine, ngram, {name: child}, PolicyStore(costs(0.0)))
-    restarts = []
-    real_restart = auto._restart
-    auto._restart = lambda c, ctx: (restarts.append(c.name), real_restart(c, ctx))
+    child = build(name, engine, None)
+    ctl = Controller(engine, {"ngram": NgramProposer(index=index), name: child}, store_with(0.0))
     engine.reset_cache()
-    ids: list[int] = []
-    text = []
-    for delta in engine.stream(prompt, GenParams(max_tokens=48), auto):
-        ids += delta.token_ids
-        text.append(delta.text)
-    assert ids[:48] == out and "".join(text) == plain(engine, prompt, 48)
-    assert auto.choices.get("ngram") and auto.choices.get(name)
-    assert restarts == []
-    if name == "eagle":
-        assert child.sync(prompt + ids)  # its cache + queued states end where the context does
+    ids = [t for s in engine.stream(prompt, GenParams(max_tokens=48), ctl) for t in s.token_ids]
+    assert ids[:48] == out[:48]
+    assert ctl.choices.get("ngram") and ctl.choices.get(name)
+    if name == "eagle":  # its cache + queued states end where the context does
+        assert child.sync(prompt + ids)
 
 
-def test_a_far_loser_retires_and_comes_back_for_one_trial(engine):
-    """A model proposer far slower than plain decoding stops being built (no per-step cost)
-    until its retirement ends, then gets one fresh trial."""
-    prompt = heldout_prompts(engine, 1, tokens=120, seed=4)[0]
-    engine.reset_cache()
-    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=40)) for t in d.token_ids]
-    store = PolicyStore(ForwardCosts())
-    silent = NgramProposer(use_context=False)
-
-    def build() -> AutoProposer:
-        slow = Slow(oracle, "random", engine.runner.vocab_size, seed=2)
-        models = {"eagle": slow} if store.usable("eagle") else {}
-        return AutoProposer(engine, silent, models, store)
-
-    auto = build()
-    run(engine, prompt, auto)
-    assert auto.choices["eagle"] == TRIAL_STEPS  # tried once, then retired
-    assert "eagle" not in auto.models and not store.usable("eagle")
-    assert build().models == {}  # not built while retired
-    store.steps = store.retired["eagle"]  # the retirement is over
-    again = build()
-    run(engine, prompt, again)
-    assert again.choices["eagle"] == TRIAL_STEPS  # one fresh trial
-    assert store.pause["eagle"] == 2 * FIRST_PAUSE  # and a longer pause after it
-
-
-def test_a_measured_model_proposer_beats_a_weaker_ngram_draft(engine):
-    """When the n-gram proposer has a draft but a model proposer's measured rate is higher
-    by the margin, the model proposer takes the step (before, any n-gram draft worth 80%
-    of a plain step was taken)."""
-    prompt = engine.encode(REPEAT)
-    engine.reset_cache()
-    oracle = [t for d in engine.stream(prompt, GenParams(max_tokens=60)) for t in d.token_ids]
-    store = PolicyStore(costs(0.3))
-    greedy = store.engine_wide.setdefault("greedy", Book())
-    greedy.tokens["lookahead"], greedy.ms["lookahead"] = Avg(40.0, 8), Avg(1.0, 8)
-    good = Positional(oracle, "correct", engine.runner.vocab_size)
-    auto = AutoProposer(engine, NgramProposer(min_gain=0.0), {"lookahead": good}, store)
-    out, _stats = run(engine, prompt, auto)
-    assert out == plain(engine, prompt)
-    assert auto.choices.get("lookahead", 0) > 0
-    assert auto.choices.get("ngram", 0) == 0
-
-
-def test_auto_leaves_out_model_proposers_without_weights(engine, spec_engine):
-    """The tiny model has no weights beside it: auto builds lookahead alone and the summary
-    says why the others are missing; beside ``spec_engine``'s model it builds all four."""
+def test_auto_leaves_out_proposers_without_weights(engine, spec_engine):
+    """The tiny model has no weights beside it: auto builds n-gram and lookahead and the
+    summary says why EAGLE is missing; beside ``spec_engine``'s model it builds EAGLE too."""
     bare = make_proposer("auto", engine, None)
-    assert set(bare.models) <= {"lookahead"}
+    assert list(bare.children) == ["ngram", "lookahead"]
     store = policy.store_for(engine)
-    assert {n: store.available[n] for n in ("eagle", "medusa", "draft")} == dict.fromkeys(
-        ("eagle", "medusa", "draft"), False
-    )
+    assert store.available["eagle"] is False
     assert store.why["eagle"].startswith("no eagle weights for this model (")
-    assert policy.summary(engine)["weights"]["medusa"] == "no weights for this model"
+    assert policy.summary(engine)["weights"] == {
+        "eagle": "no weights for this model",
+        "lookahead": "needs no weights",
+    }
     full = make_proposer("auto", spec_engine, None)
     retired = set(policy.store_for(spec_engine).retired)
-    assert set(full.models) | retired == {"eagle", "medusa", "draft", "lookahead"}
+    assert set(full.children) | retired == {"ngram", "eagle", "lookahead"}
     prompt = heldout_prompts(spec_engine, 1, tokens=100, seed=3)[0]
     out, _ = run(spec_engine, prompt, full, n=24)
     assert out == plain(spec_engine, prompt, 24)
 
 
 def test_weights_that_do_not_fit_are_reported(engine, tmp_path):
-    """Heads made for another model are left out by auto, and the summary says why."""
+    """A head made for another model is left out by auto, and the summary says why."""
     import shutil
 
     from codespec.daemon.engine.engine import Engine
     from conftest import tiny_model_dir
-    from helpers import medusa_heads_for
+    from helpers import eagle_head_for
 
     folder = tmp_path / "model"
     shutil.copytree(engine.model_path, folder)
     other = tiny_model_dir(tmp_path / "other", folder, hidden_size=32)
-    medusa_heads_for(other, folder / "medusa")  # hidden size 32: not this model's 64
+    eagle_head_for(other, folder / "eagle", draft_vocab=64)  # hidden size 32, not 64
     e = Engine(folder)
     auto = make_proposer("auto", e, None)
-    assert "medusa" not in auto.models
-    state = policy.summary(e)["weights"]["medusa"]
+    assert "eagle" not in auto.children
+    state = policy.summary(e)["weights"]["eagle"]
     assert state.startswith("not usable: ") and "hidden size 32" in state
+
+
+def test_the_summary_reports_costs_and_speed_vs_plain(engine):
+    """After a run: forward ms by size, the plain step's ms and the proposer's speed
+    against plain decoding's, for the target the controller measured for (a stand-in
+    here, so no other test's figures mix in)."""
+
+    class Target:
+        model_path = engine.model_path
+
+    target = Target()
+    prompt = engine.encode(REPEAT)
+    oracle = plain(engine, prompt, 30)
+    fast = ScriptedProposer(oracle, "correct", engine.runner.vocab_size)
+    ctl = Controller(target, {"lookahead": fast})
+    assert ctl.store is policy.store_for(target) is not policy.store_for(engine)
+    run(engine, prompt, ctl, n=30)
+    s = policy.summary(target)
+    assert s["forward_ms"]["1"] > 0 and s["steps"] >= ctl.choices["lookahead"]
+    greedy = s["classes"]["greedy"]
+    assert greedy["plain_step_ms"] > 0 and greedy["vs_plain"]["lookahead"] > 1.0
+    assert s["weights"]["lookahead"] == "needs no weights"
+
+
+def test_the_engine_times_forwards_without_touching_its_cache(engine):
+    """``time_forwards`` (what the daemon seeds the policy with) leaves the cache as it was."""
+    prompt = heldout_prompts(engine, 1, tokens=64)[0]
+    engine.reset_cache()
+    engine.runner.forward(prompt)
+    length = engine.runner.length
+    table = engine.time_forwards((1, 4, 16))
+    assert set(table) == {1, 4, 16} and all(ms > 0 for ms in table.values())
+    assert engine.runner.length == length
+    after = engine.runner.forward([prompt[-1]]).logits[-1]
+    engine.reset_cache()
+    fresh = engine.runner.forward([*prompt, prompt[-1]], last_only=True).logits[-1]
+    torch.testing.assert_close(after, fresh, rtol=1e-4, atol=1e-4)
+    store = PolicyStore()
+    store.costs.seed(table)
+    assert {s for s, _ in store.costs.known()} == {1, 4, 16}

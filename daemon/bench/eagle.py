@@ -5,9 +5,10 @@ their public calls and must not reach into the runner's or the head's internals.
 
 For each workload (default ``/tmp/wl/novel.jsonl`` and ``/tmp/wl/completion.jsonl``,
 built by ``codespec bench make-workloads``), every prompt is decoded greedily by
-``off`` and by each EAGLE variant (``chain``: adaptive depth, the default
-proposer; ``deep``: a chain of fixed depth; ``tree``: EAGLE-2 dynamic tree,
-adaptive depth; ``dtree``: the tree at fixed depth), the order alternating per
+``off`` and by each EAGLE variant (``chain``: under the policy's controller,
+as ``speculation: "eagle"`` runs it; ``deep``: a chain of fixed depth every step;
+``tree``: EAGLE-2 dynamic tree under the controller; ``dtree``: the tree at fixed
+depth every step), the order alternating per
 prompt, the KV cache emptied before every run. Reported per workload and variant:
 
 - ``acc/step``: accepted draft tokens per decode step, the bonus token NOT counted.
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from codespec.daemon.bench.methods import build_prompt, load_workload
     from codespec.speculators.eagle import EagleProposer, NoEagleHead, load_runtime
+    from codespec.speculators.policy import Controller
 
     engine = open_engine(args)
     try:
@@ -180,13 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"codespec bench eagle: error: {exc}", file=sys.stderr)
         return 1
 
-    def proposer(variant: str) -> EagleProposer:
+    def proposer(variant: str) -> tuple[Any, EagleProposer]:
+        """(what the engine drives, the EAGLE proposer): adaptive variants run under the
+        policy's controller, as ``speculation: "eagle"`` does; the others draft every step."""
         spec = VARIANTS[variant]
         topk = args.topk if args.topk and spec["topk"] > 1 else spec["topk"]
         nodes = args.depth if topk == 1 else args.nodes
-        return EagleProposer(
-            runtime, depth=args.depth, topk=topk, max_nodes=nodes, adaptive=spec["adaptive"]
-        )
+        eagle = EagleProposer(runtime, depth=args.depth, topk=topk, max_nodes=nodes)
+        if not spec["adaptive"]:
+            return eagle, eagle
+        return Controller(engine, {"eagle": eagle}, name="eagle"), eagle
 
     methods = ["off", *variants]
     aggs: dict[tuple[str, str], Acc] = {}
@@ -200,13 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [tuple(build_prompt(engine, it, args.max_tokens)[:2]) for it in items]
         lengths += [len(pr) for pr, _ in prompts]
         for m in methods:  # warm-up, not timed
-            run_one(engine, prompts[0][0], 8, None if m == "off" else proposer(m))
+            run_one(engine, prompts[0][0], 8, None if m == "off" else proposer(m)[0])
         for n, (prompt, max_tokens) in enumerate(prompts):
             order = methods[n % len(methods) :] + methods[: n % len(methods)]
             runs = {}
             for m in order:
-                prop = None if m == "off" else proposer(m)
-                ids, stats, ms = run_one(engine, prompt, max_tokens, prop)
+                drive, prop = (None, None) if m == "off" else proposer(m)
+                ids, stats, ms = run_one(engine, prompt, max_tokens, drive)
                 runs[m] = (ids, stats, ms, prop)
             off_ids, _, off_ms, _ = runs["off"]
             for m in methods:

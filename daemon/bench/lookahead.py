@@ -5,7 +5,9 @@ through their public calls and must not reach into the runner's internals.
 
 ``codespec bench lookahead WORKLOAD.jsonl [--grid "W,N,G;W,N,G"] [--limit N] [--threads 1]``
 decodes every prompt greedily with ``off`` and with each configuration (window
-W, n-gram N, guesses G), the order rotating per prompt so machine noise hits
+W, n-gram N, guesses G; under the policy's controller, as ``speculation:
+"lookahead"`` runs it, or with ``,all`` every node verified every step), the order
+rotating per prompt so machine noise hits
 them alike, the KV cache emptied before every run. Each configuration has its
 own pool store, emptied after the untimed warm-up run of the first prompt, so
 one configuration never learns from another's runs; within a configuration the
@@ -37,7 +39,7 @@ import torch
 
 from codespec.daemon.bench.methods import add_engine_args, open_engine
 
-DEFAULT_GRID = "0,6,2;4,3,4;4,5,2;4,6,2;4,6,2,0;4,7,2;6,6,2"
+DEFAULT_GRID = "0,6,2;4,3,4;4,5,2;4,6,2;4,6,2,all;4,7,2;6,6,2"
 
 
 @dataclass
@@ -56,10 +58,11 @@ class Acc:
 
 
 def parse_grid(text: str) -> list[str]:
-    """``"W,N,G;W,N,G,Y"`` -> the configuration names, checked (``Y``: ``min_yield``).
+    """``"W,N,G;W,N,G,all"`` -> the configuration names, checked (``all``: every node
+    verified every step, no policy).
 
-    >>> parse_grid("4,3,4; 0,5,2,0.1")
-    ['4,3,4', '0,5,2,0.1']
+    >>> parse_grid("4,3,4; 0,5,2,all")
+    ['4,3,4', '0,5,2,all']
     """
     out = []
     for part in text.split(";"):
@@ -67,11 +70,9 @@ def parse_grid(text: str) -> list[str]:
         if not part:
             continue
         fields = part.split(",")
-        if len(fields) not in (3, 4):
-            raise ValueError(f"{part!r} is not W,N,G or W,N,G,Y")
+        if len(fields) not in (3, 4) or fields[3:] not in ([], ["all"]):
+            raise ValueError(f"{part!r} is not W,N,G or W,N,G,all")
         [int(x) for x in fields[:3]]
-        if len(fields) == 4:
-            float(fields[3])
         out.append(part)
     if not out:
         raise ValueError("an empty grid")
@@ -79,15 +80,13 @@ def parse_grid(text: str) -> list[str]:
 
 
 def config(name: str) -> dict[str, Any]:
-    """Proposer keyword arguments of a configuration name ``W,N,G[,Y]``."""
+    """Proposer keyword arguments of a configuration name ``W,N,G[,all]``."""
     fields = name.split(",")
     kw: dict[str, Any] = {
         "window": int(fields[0]),
         "ngram": int(fields[1]),
         "guesses": int(fields[2]),
     }
-    if len(fields) == 4:
-        kw["min_yield"] = float(fields[3])
     return kw
 
 
@@ -125,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from codespec.daemon.bench.methods import build_prompt, load_workload
     from codespec.speculators.lookahead import LookaheadProposer, store_for
+    from codespec.speculators.policy import Controller
 
     engine = open_engine(args)
     items = load_workload(args.workload)
@@ -133,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [build_prompt(engine, it, args.max_tokens, "none", args.context) for it in items]
     names = ["off", *grid]
 
-    def proposer(name: str) -> LookaheadProposer | None:
+    def proposer(name: str) -> Any:
         if name == "off":
             return None
         # the engine's pools, which decode_once empties before every timed decode
-        return LookaheadProposer(store=store_for(engine), **config(name))
+        prop = LookaheadProposer(store=store_for(engine), **config(name))
+        return prop if name.endswith(",all") else Controller(engine, {"lookahead": prop})
 
     def one(name: str, k: int) -> tuple[list[int], Any, float]:
         prompt, max_tokens, _, _ = prompts[k]
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
 
-    head = f"{'W,N,G[,Y]':<12}{'prompts':>8}{'tokens':>8}{'forwards':>9}{'tok/fwd':>9}"
+    head = f"{'W,N,G[,all]':<12}{'prompts':>8}{'tokens':>8}{'forwards':>9}{'tok/fwd':>9}"
     head += f"{'acc/step':>9}{'pool %':>8}{'nodes':>7}{'wall ms':>10}{'vs off':>8}{'= off':>8}"
     print(
         f"codespec bench lookahead {args.workload}  ({date.today()}, {platform.machine()}, "

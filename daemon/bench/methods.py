@@ -218,14 +218,18 @@ def add_engine_args(p: argparse.ArgumentParser, threads: int) -> None:
 
 
 def open_engine(args: argparse.Namespace) -> Any:
-    """Set torch's threads from ``args`` and load the engine they name."""
+    """Set torch's threads from ``args`` and load the engine they name; as the daemon does,
+    hand the speculation policy a few timed forwards as its first cost table."""
     import torch
 
     from codespec.daemon.engine.engine import Engine
+    from codespec.speculators.policy import seed_costs
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return Engine(args.model, device=args.device, runner=args.runner)
+    engine = Engine(args.model, device=args.device, runner=args.runner)
+    seed_costs(engine, engine.time_forwards())
+    return engine
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from codespec.daemon.service.documents import DocumentStore
 from codespec.daemon.service.handlers import Methods
 from codespec.daemon.service.scheduler import LockedIndex, Scheduler
 from codespec.daemon.service.workspace import Workspace
+from codespec.speculators.policy import seed_costs
 
 log = logging.getLogger("codespec.daemon")
 
@@ -101,9 +102,8 @@ class Server:
 
             cfg = self.config
             self.engine = await asyncio.to_thread(Engine, cfg.model, cfg.device, cfg.runner)
-        costs = getattr(self.engine, "costs", None)
-        if costs is not None and not costs.calibrated:  # the policy's cost table, before
-            await asyncio.to_thread(costs.calibrate, self.engine.runner)  # the first request
+        # the policy's first cost table: a few timed forwards, before the first request
+        seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
         self.index = self._load_index()
         self.scheduler = Scheduler(
             self.engine,

@@ -1,4 +1,4 @@
-"""Training data for the speculator trainers (`codespec train-eagle`, `train-medusa`).
+"""Training data for the speculator trainer (`codespec train-eagle`).
 
 Owns: the corpus (the running interpreter's standard-library sources, with every
 ``test`` / ``tests`` folder held out, ``Lib/test`` being the evaluation set),

@@ -6,8 +6,8 @@ the draft vocabulary (the most frequent tokens of that code), the training
 loop (the target runs in fp32 without gradients over each batch to give the
 taps and its distribution on the fly; training-time test unrolls several draft
 steps feeding the head its own predictions, step losses decayed; seeded,
-resumable, with a progress bar and a wall-clock budget: ``run_training``, which
-the Medusa trainer shares), the held-out report
+resumable, with a progress bar and a wall-clock budget: ``run_training``), the
+held-out report
 (teacher-forced per-step accuracy on stdlib ``test/`` windows, then real
 per-position acceptance when decoding held-out prompts through the engine) and
 the export in vLLM's ``speculators`` EAGLE-3 layout.
@@ -296,7 +296,7 @@ def heldout_acceptance(
         cut = rng.randrange(20, len(lines))
         ids = engine.encode("".join(lines[:cut]))[-min(384, engine.max_length - tokens - 1) :]
         used += 1
-        prop = EagleProposer.for_engine(engine, head_path, depth=depth, topk=1, adaptive=False)
+        prop = EagleProposer.load(engine, head_path, depth=depth, topk=1)  # every step
         engine.reset_cache()
         _, stats = engine.generate(ids, GenParams(max_tokens=tokens, max_draft=depth), prop)
         forwards += stats.target_forwards - 1

@@ -1,0 +1,96 @@
+"""What proposers may read from the target model: a small interface the engine implements.
+
+Owns :class:`TargetModel` (the model's shape, its token embedding, where its
+files live and the matrix kernels its runner uses) and :class:`Kernels` with
+its plain-torch implementation :class:`TorchKernels`. Nothing in
+``codespec.speculators`` imports the daemon: the engine hands proposers an
+object with these members (``codespec.daemon.engine.target``), and tests hand
+them stand-ins.
+
+Must not touch: the target's KV cache or its forward (proposers see the
+target only through :class:`~codespec.speculators.draft.StepResult`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Kernels", "TargetModel", "TorchKernels"]
+
+
+class Kernels(Protocol):
+    """The matrix products a draft head runs through, as the target's runner does.
+
+    ``pack(w)`` turns an ``(in, out)`` weight into the form ``linear`` takes (panels
+    for a CPU kernel; the matrix itself for torch); ``linear(x, w, res)`` is
+    ``x @ w (+ res)``; ``norm`` is Llama's RMSNorm of the rows of ``x``.
+    """
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
+    ) -> torch.Tensor | None:
+        """One new token's grouped-query attention: ``q`` (KV, G, D) over cache rows
+        ``0 .. past`` of ``k``, ``v`` (KV, S_max, D), its own row included; (KV, G, D).
+        ``None`` when there is no kernel for it (callers use SDPA then)."""
+        ...
+
+
+class TorchKernels:
+    """:class:`Kernels` by torch alone: ``x @ w`` over ``(in, out)`` matrices, RMSNorm,
+    no attention kernel. Any device, any dtype."""
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return x @ w if res is None else torch.addmm(res, x, w)
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+    def decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
+    ) -> torch.Tensor | None:
+        return None
+
+
+class TargetModel(Protocol):
+    """The target model as proposers see it.
+
+    - ``model_path``: the model's folder; model proposers read their weights beside
+      it (``MODEL/eagle``).
+    - ``vocab_size``, ``hidden_size``, ``num_layers``, ``max_length``: its shape and
+      the most positions it takes.
+    - ``device``, ``dtype``: where and in which type its runner computes.
+    - ``embedding()``: the token embedding ``(vocab_size, hidden_size)``.
+    - ``kernels(dtype)``: the products for weights of ``dtype`` on ``device``.
+
+    One object per loaded model: the policy's measurements, lookahead's pools and
+    a loaded head live with it (keyed weakly on it).
+    """
+
+    model_path: str | Path
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_length: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def embedding(self) -> torch.Tensor: ...
+
+    def kernels(self, dtype: torch.dtype) -> Kernels: ...
