@@ -33,6 +33,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
 
     [completion]
     context = "none"          # none | header | crossfile (what precedes the prefix)
+    warm_after_s = 0.15       # a typing pause after which the prompt at the cursor is pre-filled
 
     [workspace]
     max_file_bytes = 1000000
@@ -100,6 +101,9 @@ class Completion(_Section):
     # first). "none" by default: with SmolLM2-135M neither raised the first-line exact
     # match (codespec bench quality; README, "Completion quality").
     context: Literal["none", "header", "crossfile"] = "none"
+    # After an open, and after this long without a change to a document, the daemon
+    # pre-fills the prompt a completion at the last edit would use (0: never).
+    warm_after_s: Annotated[float, Meta(ge=0.0)] = 0.15
 
 
 class Workspace(_Section):

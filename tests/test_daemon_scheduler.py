@@ -258,3 +258,29 @@ def test_warming_prefills_while_idle_and_yields_to_requests(engine, scheduler):
         time.sleep(0.01)
     assert r.finish_reason == "length" and scheduler.warmed == 2
     assert scheduler.warmed_tokens == before  # nothing fed: the request went first
+
+
+def test_the_daemon_warms_the_prompt_after_open_and_after_a_pause(daemon):
+    """After an open (at the document's end) and after a typing pause (at the last edit),
+    the daemon pre-fills the completion's prompt, so the completion re-feeds ~1 token."""
+    text = "import os\n\n\ndef walk(root):\n" + "    x = os.path.join(root, 'a')\n" * 20
+    with Client(daemon.socket_path) as c:
+        before = c.request("stats")["requests"]["warmed"]
+        c.request("open", {"uri": "file:///warm.py", "text": text, "version": 1})
+        deadline = time.monotonic() + 30
+        while c.request("stats")["requests"]["warmed"] < before + 1:
+            assert time.monotonic() < deadline, "the open was never warmed"
+            time.sleep(0.02)
+        end = {"line": 24, "character": 0}
+        r = c.request("complete", {"uri": "file:///warm.py", "position": end, "max_tokens": 2})
+        assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
+        pos = {"line": 5, "character": 0}  # an edit far above: then a pause
+        change = {"range": {"start": pos, "end": pos}, "text": "    y = 2\n"}
+        c.request("change", {"uri": "file:///warm.py", "version": 2, "changes": [change]})
+        while c.request("stats")["requests"]["warmed"] < before + 2:
+            assert time.monotonic() < deadline, "the change was never warmed"
+            time.sleep(0.02)
+        at = {"line": 6, "character": 0}
+        r = c.request("complete", {"uri": "file:///warm.py", "position": at, "max_tokens": 2})
+        assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
+        c.request("close", {"uri": "file:///warm.py"})

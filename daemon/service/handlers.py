@@ -63,6 +63,7 @@ class Methods:
 
     def __init__(self, server: Server) -> None:
         self.srv = server
+        self._warm_timers: dict[str, asyncio.TimerHandle] = {}
 
     def table(self) -> dict[str, Handler]:
         return {m: getattr(self, m) for m in METHODS}
@@ -132,12 +133,47 @@ class Methods:
     def open(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Open)
         d = self.srv.documents.open(p.uri, p.text, p.version, p.language)
+        self._warm_later(p.uri, len(p.text), 0.0)
         return {"uri": p.uri, "version": d.version, "lines": d.doc.lines.line_count}
 
     def change(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Change)
         d = self.srv.documents.change(p.uri, p.version, p.changes)
+        last = p.changes[-1] if p.changes else None
+        if last is not None and last.get("range") is not None:  # the cursor: after the edit
+            start = d.offset(last["range"]["start"])
+            self._warm_later(p.uri, start + len(last.get("text", "")))
         return {"uri": p.uri, "version": d.version}
+
+    def _warm_later(self, uri: str, offset: int, delay: float | None = None) -> None:
+        """After a pause (``completion.warm_after_s``) with no newer change to ``uri``,
+        hand the scheduler the prompt a completion at ``offset`` would use: it pre-fills
+        it while no request runs (:meth:`Scheduler.warm`)."""
+        pause = self.srv.config.completion.warm_after_s
+        if not pause or self.srv.scheduler is None:
+            return
+        old = self._warm_timers.pop(uri, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        self._warm_timers[uri] = loop.call_later(
+            pause if delay is None else delay, self._warm, uri, offset
+        )
+
+    def _warm(self, uri: str, offset: int) -> None:
+        self._warm_timers.pop(uri, None)
+        srv = self.srv
+        if uri not in srv.documents or srv.scheduler is None:
+            return
+        doc = srv.documents.get(uri)
+        try:
+            prep = completion.prepare_complete(
+                srv.engine, srv.documents, srv.snippets, doc, min(offset, len(doc.text)), 16,
+                False, srv.config.limits.context_tokens, srv.config.completion.context,
+            )  # fmt: skip
+        except ProtocolError:  # nothing to complete from
+            return
+        srv.scheduler.warm(uri, prep.prompt_ids)
 
     def close(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Close)
