@@ -39,6 +39,7 @@ from codespec.daemon.engine.loading import (
 )
 from codespec.daemon.engine.slots import CacheSlots
 from codespec.daemon.engine.target import ModelTarget
+from codespec.daemon.engine.tokenizer import load as load_tokenizer
 from codespec.daemon.prompts.fim import FimTokens, find_fim, stop_token_ids
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 from codespec.speculators.verify import verify
@@ -173,12 +174,10 @@ class Engine(ModelTarget):
         max_length: int | None = None,
         max_slots: int = 4,
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.model_path = resolve_model_path(model)
         self.device = pick_device(device)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            self.tokenizer = load_tokenizer(self.model_path)  # without transformers where it can
         except Exception as exc:
             raise ModelLoadError(f"cannot load the tokenizer: {one_line(exc)}") from exc
         self.runner, self.config = load_runner(self.model_path, self.device, runner, max_length)

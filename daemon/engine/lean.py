@@ -1,19 +1,14 @@
 """The lean runner: a hand-written forward for the Llama family over a static KV cache.
 
-This module owns :class:`LeanRunner` and :func:`supports`. It loads a Hugging Face
-safetensors checkpoint (:meth:`LeanRunner.from_pretrained`, no ``transformers`` model
-object) or a GGUF's own blocks (:meth:`LeanRunner.from_gguf`, :func:`from_model_folder`),
-preallocates the whole KV cache once and computes the RoPE tables once. One forward
-serves prefill, decode and draft-tree verification; they differ only in how many
-positions are fed and in the mask. It keeps the ``Runner`` contract of ``runner.py``
-(cache verbs, ``ForwardOut``, :func:`~codespec.daemon.engine.runner.tree_layout`) and
-must not change it: ``HFRunner`` is the reference the tests compare against. It knows
-nothing about tokenizers, sampling or proposers.
+Owns :class:`LeanRunner` and :func:`supports`. It loads a safetensors checkpoint
+(:meth:`LeanRunner.from_pretrained`) or a GGUF's own blocks (:meth:`LeanRunner.from_gguf`,
+:func:`from_model_folder`), allocates the KV cache and RoPE tables once; one forward serves
+prefill, decode and tree verification. It keeps the ``Runner`` contract of ``runner.py``
+(``HFRunner`` is the tests' reference) and knows nothing about tokenizers or proposers.
 
-Architectures (see :func:`supports`): Llama, Qwen2 / Qwen2.5-Coder (q/k/v bias; any bias
-present is used) and Mistral, whose ``sliding_window`` is ignored (full attention equals
-it while the context is within the window). Scaled or partial RoPE, Qwen2's sliding
-window and activations other than SiLU are refused.
+Architectures (:func:`supports`): Llama, Qwen2 (biases used where present) and Mistral
+(``sliding_window`` ignored: equal while the context fits the window). Scaled or partial
+RoPE, Qwen2's sliding window and activations other than SiLU are refused.
 
 Two ways to run, chosen at load:
 
@@ -23,14 +18,10 @@ Two ways to run, chosen at load:
   is one call per forward, over an fp16 KV cache (attention products in fp32). Every row
   equals, bit for bit, the one-token forward at its place (verify rows equal decode rows,
   chains and trees), on every ISA and thread count.
-- **torch** (``kernels=False``, CUDA, or no compiler): the layers below in torch, q/k/v
-  and gate/up fused, weights stored ``(in, out)`` and applied as ``x @ W`` (MKL runs a
-  one-row product ~1.5x faster in that layout), fp32 (bf16 on CUDA) cache; forwards of
-  at most ``lean_torch.KERNEL_ATTENTION_ROWS`` tokens take ``cpu_gemm.attention`` when the
-  kernel exists, longer ones SDPA. Grouped-query attention folds the ``g`` query heads of
-  a kv head into the query axis, so SDPA reads the cache slice itself; a chain after a
-  cache needs an explicit mask (SDPA's ``is_causal`` is aligned top left).
-  ``compile=True`` wraps the stack in ``torch.compile`` (slower than eager on the CPU
+- **torch** (``kernels=False``, CUDA, no compiler; ``lean_torch``): q/k/v and gate/up fused,
+  weights ``(in, out)`` applied as ``x @ W``, an fp32 (bf16 on CUDA) cache, SDPA with an
+  explicit mask (a chain after a cache is not SDPA's top-left ``is_causal``).
+  ``compile=True`` wraps the layers in ``torch.compile`` (slower than eager on the CPU
   here: 12-22 ms against 4.2-4.7 ms a decode step of a 4x384 model).
 
 Taps: tap 0 is the embeddings, tap ``l`` the output of decoder layer ``l`` and tap ``L``
@@ -41,6 +32,7 @@ its output *before* the final norm (``HFRunner``'s last entry is after it). Long
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -430,14 +422,17 @@ class LeanRunner:
 
 
 def from_model_folder(
-    folder: str | Path, max_length: int | None = None, int8: bool = False
+    folder: str | Path, max_length: int | None = None, int8: bool | None = None
 ) -> tuple[LeanRunner, Any] | None:
     """The lean runner over the GGUF a cached model folder was made from (its manifest
     names it; ``models``), run from its blocks on the CPU; None when the folder has no
     GGUF or the runner cannot run it as it is (the caller loads the folder instead).
-    Reads ``config.json`` as plain JSON: no ``transformers`` import."""
+    Reads ``config.json`` as plain JSON: no ``transformers`` import. ``int8``: default
+    ``$CODESPEC_GGUF_PRODUCTS == "int8"`` (else the exact products)."""
     from codespec.daemon.engine import models
 
+    if int8 is None:
+        int8 = os.environ.get("CODESPEC_GGUF_PRODUCTS", "exact").strip().lower() == "int8"
     folder = Path(folder)
     manifest = models.read_manifest(folder)
     path = models.CachedModel(folder, manifest).gguf if manifest else None

@@ -40,7 +40,15 @@ def resolve_model_path(model: str | os.PathLike | None) -> str:
 def load_runner(
     path: str, device: torch.device, runner: str = "auto", max_length: int | None = None
 ) -> tuple[Runner, object]:
-    """Return (runner, HF config). ``runner`` is auto | lean | hf."""
+    """Return (runner, HF config). ``runner`` is auto | lean | hf. On the CPU a folder the
+    model cache made from a GGUF runs from the GGUF's own blocks (``lean.from_model_folder``)."""
+    if runner in ("auto", "lean") and device.type == "cpu":
+        try:
+            got = lean.from_model_folder(path, max_length)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load {path}: {one_line(exc)}") from exc
+        if got is not None:
+            return got
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
