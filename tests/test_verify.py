@@ -1,13 +1,19 @@
-"""Verification: greedy tree walks (ACCEPT / REJECT / BONUS) and exact rejection sampling."""
+"""Verification: greedy tree walks (ACCEPT / REJECT / BONUS) and exact rejection sampling,
+checked on the real verifier's output (first and second emitted token, the nucleus), with a
+case that shows the statistical check catches a biased one."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from codespec.speculators.draft import Draft
 from codespec.speculators.verify import target_probs, verify_greedy, verify_sampling
 
 V = 6
+
+# Thousands of tiny tensor ops: a second intra-op thread only adds waits (6x slower here).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def logits_for(argmaxes: list[int]) -> torch.Tensor:
@@ -124,12 +130,63 @@ def test_rejection_sampling_keeps_target_distribution_model_draft():
     assert _chi_square(counts, p * n) < CHI2_5DF_P1E4
 
 
-def test_rejection_sampling_detects_a_biased_verifier():
-    """The chi-square check has power: always accepting the draft is caught."""
+def test_rejection_sampling_keeps_the_next_positions_distribution():
+    """The second emitted token: a chain [3, y] whose rows differ (row 0 for the first
+    token, row 1 for the one after 3). Whenever 3 is emitted first it was accepted (the
+    residual after rejecting it has no mass on 3), and the token after it must follow
+    row 1's distribution, whether node y is accepted or the bonus is drawn there.
+
+    Chi-square over 6 tokens at p = 1e-4 on the ~40% of 20,000 runs that emit 3 first:
+    a fair verifier fails with probability 1e-4 for a random seed (this one is fixed).
+    """
     n = 20000
-    p = target_probs(torch.tensor([[1.2, -0.3, 0.5, 2.0, -1.0, 0.1]]), 0.9)[0]
-    gen = torch.Generator().manual_seed(3)
+    temperature = 0.8
+    rows = torch.tensor([[1.2, -0.3, 0.5, 2.0, -1.0, 0.1], [0.3, 1.5, -0.7, 0.0, 1.1, -2.0]])
+    p1 = target_probs(rows[1:], temperature)[0]
+    gen = torch.Generator().manual_seed(4)
     counts = torch.zeros(V)
     for _ in range(n):
-        counts[int(torch.randint(V, (1,), generator=gen))] += 1  # "accept any draft"
+        y = int(torch.randint(V, (1,), generator=gen))
+        draft = Draft.chain([3, y])
+        logits = torch.cat([rows, rows[1:]])  # root, node 0 (token 3), node 1 (token y)
+        accepted, bonus = verify_sampling(draft, logits, temperature, 1.0, gen)
+        if not accepted:
+            continue
+        second = draft.tokens[accepted[1]] if len(accepted) > 1 else bonus
+        counts[second] += 1
+    total = float(counts.sum())
+    assert total > 0.3 * n
+    assert _chi_square(counts, p1 * total) < CHI2_5DF_P1E4
+
+
+def test_top_p_sampling_emits_only_nucleus_tokens():
+    """At top_p 0.9 the verifier never emits a token outside the nucleus {0, 1, 2}, even when
+    every draft offers one (an accepted draft token or the bonus after rejections)."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 1e-9, 1e-9])).repeat(3, 1)
+    gen = torch.Generator().manual_seed(5)
+    seen = set()
+    for _ in range(2000):
+        a, b = torch.randperm(V, generator=gen)[:2].tolist()
+        draft = Draft([a, b], [-1, -1])
+        accepted, bonus = verify_sampling(draft, logits, 1.0, 0.9, gen)
+        seen.add(draft.tokens[accepted[0]] if accepted else bonus)
+    assert seen == {0, 1, 2}
+
+
+def test_the_check_catches_a_draft_that_states_the_wrong_q():
+    """The chi-square check has power on the real verifier's output: drafts that always
+    offer token 4 (p = 0.02) but state a uniform q get it accepted with probability
+    min(1, p / q) instead of p, and the first-token counts fail the test (the same
+    criterion the fair cases pass)."""
+    n = 20000
+    temperature = 0.9
+    p = target_probs(torch.tensor([[1.2, -0.3, 0.5, 2.0, -1.0, 0.1]]), temperature)[0]
+    uniform = torch.full((V,), 1.0 / V)
+
+    def make(gen):
+        return Draft([4], [-1], probs=[uniform])  # a lie: the draft is always 4
+
+    counts = _first_token_counts(make, n, temperature, seed=3)
     assert _chi_square(counts, p * n) > CHI2_5DF_P1E4
+    honest = _first_token_counts(lambda gen: Draft([4], [-1]), n, temperature, seed=3)
+    assert _chi_square(honest, p * n) < CHI2_5DF_P1E4
