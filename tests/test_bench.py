@@ -11,6 +11,7 @@ import json
 import pytest
 
 from codespec.daemon.bench import dispatch
+from codespec.daemon.engine.engine import GenParams
 
 
 @pytest.fixture(scope="module")
@@ -18,27 +19,33 @@ def model(tiny_model) -> list[str]:
     return ["--model", str(tiny_model)]
 
 
-def test_methods_bench_prints_table_and_json(tmp_path, capsys, model):
-    wl = tmp_path / "w.jsonl"
+def test_methods_bench_prints_table_and_json(tmp_path, capsys, model, engine):
+    """Every method gives off's tokens, and speculation shows in the figures: the first
+    prompt's continuation lies in an open document, so the n-gram method drafts it and
+    needs fewer forwards than tokens (off needs one per token, the prefill counted)."""
+    first = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
+    engine.reset_cache()
+    plain, _ = engine.generate(engine.encode(first), GenParams(max_tokens=24))
+    doc = {"uri": "file:///pkg/ops.py", "text": first + engine.decode(plain)}
     lines = [
-        {
-            "id": "a",
-            "prompt": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
-            "max_tokens": 8,
-            "kind": "completion",
-        },
+        {"id": "a", "prompt": first, "max_tokens": 24, "kind": "completion", "documents": [doc]},
         {"id": "b", "prompt": "import os\nimport sys\n", "max_tokens": 8, "kind": "novel"},
     ]
+    wl = tmp_path / "w.jsonl"
     wl.write_text("\n".join(json.dumps(x) for x in lines))
-    assert dispatch([str(wl), "--methods", "off,hf,hf-pld", *model]) == 0
+    assert dispatch([str(wl), "--methods", "off,ngram,hf,hf-pld", *model]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     rows = {(r["workload"], r["method"]): r for r in result["rows"]}
-    assert rows[("all", "off")]["tokens_per_forward"] == 1.0
-    assert rows[("all", "off")]["equal_to_off"] == 2
-    for method in ("hf", "hf-pld"):
+    off = rows[("all", "off")]
+    assert off["tokens_per_forward"] == 1.0 and off["tokens"] == off["target_forwards"] > 0
+    for method in ("ngram", "hf", "hf-pld"):
         assert rows[("all", method)]["prompts"] == 2
-        assert rows[("all", method)]["equal_to_off"] == 2
+        assert rows[("all", method)]["equal_to_off"] == 2, method
+        assert rows[("all", method)]["tokens"] == off["tokens"]
+    ngram = rows[("completion", "ngram")]
+    assert ngram["target_forwards"] < rows[("completion", "off")]["target_forwards"]
+    assert ngram["tokens_per_forward"] > 1.0
     assert ("completion", "hf") in rows and ("novel", "off") in rows
 
 
