@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import subprocess
 import sys
 
@@ -147,7 +146,8 @@ def test_switched_off_by_the_environment(tmp_path) -> None:
 
 @pytest.mark.skipif(not _should_build(), reason="no x86-64 AVX2 machine with a C++ compiler")
 def test_a_fresh_cache_builds_once_and_reuses(tmp_path) -> None:
-    """A new state dir gets one compiled library; a second process loads it without g++."""
+    """A new state dir gets one compiled library; a second process with no compiler on its
+    PATH loads that very file (not rebuilt: same name, same mtime)."""
     code = (
         "from codespec.daemon.engine import cpu_gemm; import sys; "
         "sys.exit(0 if cpu_gemm.library() is not None else cpu_gemm.unavailable_reason())"
@@ -157,11 +157,13 @@ def test_a_fresh_cache_builds_once_and_reuses(tmp_path) -> None:
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     built = list((tmp_path / "codespec" / "kernels").glob("gemm-*.so"))
     assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
     env["PATH"] = str(tmp_path / "empty-bin")  # no compiler on PATH now: the cached build serves
     env["CXX"] = ""
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    no_compiler = code.replace("sys.exit(", "assert cpu_gemm._compiler() is None; sys.exit(", 1)
+    subprocess.run([sys.executable, "-c", no_compiler], env=env, check=True)
     assert list((tmp_path / "codespec" / "kernels").glob("gemm-*.so")) == built
-    assert shutil.which("g++") is not None
+    assert built[0].stat().st_mtime_ns == mtime
 
 
 @needs_kernel

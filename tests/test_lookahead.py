@@ -185,16 +185,18 @@ def test_greedy_outputs_equal_plain_decoding(engine, one_thread) -> None:
     """Temperature 0: lookahead emits plain decoding's tokens on held-out prompts, bare
     (every node verified every step) and under the policy, and the drafts get accepted."""
     from codespec.daemon.engine.engine import GenParams
+    from codespec.speculators.book import PolicyStore
     from codespec.speculators.policy import Controller
 
     store = PoolStore()
+    figures = PolicyStore()  # its own: what other tests taught the engine's does not mix in
     accepted = {POOL: 0, WINDOW: 0}
     drafted = {True: 0, False: 0}
     for prompt in heldout_prompts(engine, 4, tokens=120, seed=11):
         want = plain(engine, prompt, 40)
         for bare in (True, False):
             prop = LookaheadProposer(store=store)
-            driver = prop if bare else Controller(engine, {"lookahead": prop}, name="lookahead")
+            driver = prop if bare else Controller(engine, {"lookahead": prop}, figures, "lookahead")
             got, stats = run(engine, prompt, GenParams(max_tokens=40), driver)
             assert got == want
             assert stats is not None
@@ -205,8 +207,10 @@ def test_greedy_outputs_equal_plain_decoding(engine, one_thread) -> None:
     assert drafted[True] > 0 and drafted[False] > 0
 
 
-def test_tiny_budgets_and_sampling_finish(engine, one_thread) -> None:
-    """max_draft 1 and 2 still decode losslessly; temperature > 0 runs finish."""
+def test_tiny_budgets_and_sampling(engine, one_thread) -> None:
+    """max_draft 1 and 2 still decode losslessly. Sampling with lookahead's drafts: a seed
+    gives the same tokens twice, and with a nucleus of one token (tiny top_p) sampling is
+    greedy decoding, so rejection sampling must accept exactly the drafts greedy would."""
     from codespec.daemon.engine.engine import GenParams
 
     prompt = heldout_prompts(engine, 1, tokens=100, seed=3)[0]
@@ -215,12 +219,22 @@ def test_tiny_budgets_and_sampling_finish(engine, one_thread) -> None:
         prop = LookaheadProposer()
         got, _ = run(engine, prompt, GenParams(max_tokens=24, max_draft=cap), prop)
         assert got == want
-    drafted = 0
-    for seed in range(4):
-        prop = LookaheadProposer()
+
+    def sampled(prompt, seed: int, top_p: float = 1.0, max_tokens: int = 24):
         info = RequestInfo(prompt_ids=prompt, temperature=0.8)
-        params = GenParams(max_tokens=24, temperature=0.8, seed=seed)
-        _, stats = engine.generate(prompt, params, prop, info)
-        assert stats.finish_reason in ("length", "stop") and stats.tokens > 0
+        params = GenParams(max_tokens=max_tokens, temperature=0.8, top_p=top_p, seed=seed)
+        return engine.generate(prompt, params, LookaheadProposer(), info)
+
+    drafted = 0
+    for seed in range(3):
+        (a, stats), (b, _) = sampled(prompt, seed), sampled(prompt, seed)
+        assert a == b and stats.tokens > 0, f"seed {seed}: not reproducible"
         drafted += sum(stats.drafted.values())
     assert drafted > 0
+    # a prompt whose greedy continuation lookahead's pool catches within 48 tokens
+    prompt = heldout_prompts(engine, 1, tokens=100, seed=5)[0]
+    info = RequestInfo(prompt_ids=prompt)
+    want, greedy = engine.generate(prompt, GenParams(max_tokens=48), LookaheadProposer(), info)
+    got, stats = sampled(prompt, 7, top_p=1e-6, max_tokens=48)
+    assert got == want
+    assert stats.accepted == greedy.accepted and sum(stats.accepted.values()) > 0

@@ -74,10 +74,18 @@ MODELS = {
 }
 
 
-KERNELS = ["cpu_gemm", "torch"] if cpu_gemm.library() is not None else ["torch"]
+NO_KERNEL = pytest.mark.skipif(
+    cpu_gemm.library() is None,
+    reason=f"the CPU kernel is unavailable: {cpu_gemm.unavailable_reason()}",
+)
+PAIRS = [
+    pytest.param((m, k), id=f"{m}-{k}", marks=[NO_KERNEL] if k == "cpu_gemm" else [])
+    for m in MODELS
+    for k in ("cpu_gemm", "torch")
+]
 
 
-@pytest.fixture(params=[(m, k) for m in MODELS for k in KERNELS], ids=lambda p: "-".join(p))
+@pytest.fixture(params=PAIRS)
 def pair(request, tmp_path) -> tuple[LeanRunner, HFRunner]:
     """(lean loaded from a saved checkpoint folder, HF reference) over the same weights.
 
@@ -227,7 +235,7 @@ def test_last_only_returns_the_last_row(pair) -> None:
         torch.testing.assert_close(ref, full[-1:], atol=_atol(lean), rtol=0)
 
 
-@pytest.mark.skipif(cpu_gemm.library() is None, reason="the CPU kernel is unavailable here")
+@NO_KERNEL
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_panels_give_the_same_logits_for_a_16_bit_checkpoint(tmp_path, dtype) -> None:
     """Weights saved in fp16 or bf16 are held as panels of that type by half_panels():
