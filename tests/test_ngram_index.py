@@ -78,6 +78,22 @@ def random_insert(rng: random.Random) -> str:
     return "".join(rng.choice(PIECES) for _ in range(rng.choice([0, 1, 1, 1, 2, 3, 6])))
 
 
+def random_changes(rng: random.Random, text: str) -> tuple[list[dict], str]:
+    """One to three random LSP range changes of ``text`` and the text after them."""
+    changes, expected = [], text
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        s = rng.randrange(len(expected) + 1)
+        e = min(len(expected), s + rng.choice([0, 0, 1, 1, 2, 4, 12]))
+        new = random_insert(rng) if len(expected) > 400 else random_insert(rng) * 8
+        start, end = utf16_position(expected, s), utf16_position(expected, e)
+        changes.append({"range": {"start": start, "end": end}, "text": new})
+        # An offset inside "\r\n" maps to the line's end, before the "\r".
+        s2 = TextDocument(expected).offset_at(start)
+        e2 = TextDocument(expected).offset_at(end)
+        expected = expected[:s2] + new + expected[e2:]
+    return changes, expected
+
+
 def test_random_edits_equal_a_fresh_build(tok: Any) -> None:
     """Seeded random LSP edits (multi-byte, surrogate pairs, CRLF, lone CR, specials):
     after every edit tokens, offsets, n-gram keys and lookups equal a fresh build."""
@@ -93,24 +109,7 @@ def test_random_edits_equal_a_fresh_build(tok: Any) -> None:
             changes: list[dict] = [{"text": text[: len(text) // 2] + random_insert(rng)}]
             expected = changes[0]["text"]
         else:
-            changes, expected = [], text
-            for _ in range(rng.choice([1, 1, 1, 2, 3])):
-                s = rng.randrange(len(expected) + 1)
-                e = min(len(expected), s + rng.choice([0, 0, 1, 1, 2, 4, 12]))
-                new = random_insert(rng) if len(expected) > 400 else random_insert(rng) * 8
-                changes.append(
-                    {
-                        "range": {
-                            "start": utf16_position(expected, s),
-                            "end": utf16_position(expected, e),
-                        },
-                        "text": new,
-                    }
-                )
-                # An offset inside "\r\n" maps to the line's end, before the "\r".
-                s2 = TextDocument(expected).offset_at(utf16_position(expected, s))
-                e2 = TextDocument(expected).offset_at(utf16_position(expected, e))
-                expected = expected[:s2] + new + expected[e2:]
+            changes, expected = random_changes(rng, text)
         idx.change("file:///a.py", changes)
         assert idx.text("file:///a.py") == expected
         assert_fresh(idx, "file:///a.py")
@@ -272,3 +271,90 @@ def test_change_with_a_bad_position_raises_position_error(tok: Any) -> None:
     assert idx.text("file:///a.py") == "x = 1\n"
     with pytest.raises(KeyError):
         idx.change("file:///nope.py", [{"text": ""}])
+
+
+# -- the whole-document paths ----------------------------------------------------------
+
+
+def assert_same_index(idx: NgramIndex, fresh: NgramIndex, uri: str, rng: random.Random) -> None:
+    """``idx`` answers like ``fresh``: the same token count and, for contexts cut from
+    ``uri``'s text, the same candidates."""
+    assert idx.stats()["tokens"] == fresh.stats()["tokens"]
+    toks = ids(idx.tokenizer, idx.text(uri))
+    for cut in rng.sample(range(2, len(toks)), min(12, len(toks) - 2)):
+        assert idx.lookup(toks[:cut], uri=uri) == fresh.lookup(toks[:cut], uri=uri)
+
+
+def test_a_full_replacement_reindexes_the_whole_document(tok: Any) -> None:
+    """A change without a range (the client sent the whole text), between two range edits
+    of the same list, on a frozen document: the index equals a fresh one of the final
+    text, and nothing of the old text is found any more."""
+    old = "class Old:\n    def stale_method(self):\n        return stale_value\n"
+    new = (STDLIB / "textwrap.py").read_text()[:900]
+    idx = NgramIndex(tok, max_n=6, min_n=2)
+    idx.open("file:///a.py", old)
+    idx.open("file:///b.py", "other = 1\n", kind="workspace")
+    idx.compact()
+    changes = [edit(0, 6, 0, 9, "Older"), {"text": new}, edit(0, 0, 0, 0, "# top\n")]
+    idx.change("file:///a.py", changes)
+    final = "# top\n" + new
+    assert idx.text("file:///a.py") == final
+    assert_fresh(idx, "file:///a.py")
+    fresh = NgramIndex(tok, max_n=6, min_n=2)
+    fresh.open("file:///a.py", final)
+    fresh.open("file:///b.py", "other = 1\n", kind="workspace")
+    assert_same_index(idx, fresh, "file:///a.py", random.Random(3))
+    assert idx.lookup(ids(tok, "    def stale_method(self):\n"), uri="file:///a.py") == []
+
+
+@functools.cache
+def tokenizer_without_cuts() -> Any:
+    """A byte-level BPE without the pre-tokenizer's regex: its merges cross spaces and
+    line ends, so no offset is a token boundary whatever the text around it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator([(STDLIB / "textwrap.py").read_text()[:40_000]], trainer=trainer)
+    return tok
+
+
+def _edit_without_cuts(incremental: bool, steps: int = 120) -> list[bool]:
+    """Random edits on an index over :func:`tokenizer_without_cuts` (``incremental`` forced
+    as given); per edit, whether the state equals a fresh build."""
+    tok = tokenizer_without_cuts()
+    rng = random.Random(77)
+    idx = NgramIndex(tok, max_n=6, min_n=2)
+    assert not idx.incremental  # supports_cuts: no regex, no cut argument
+    idx.incremental = incremental
+    idx.open("file:///a.py", (STDLIB / "textwrap.py").read_text()[2000:3500])
+    idx.compact()
+    equal = []
+    for step in range(steps):
+        changes, expected = random_changes(rng, idx.text("file:///a.py"))
+        idx.change("file:///a.py", changes)
+        assert idx.text("file:///a.py") == expected
+        try:
+            assert_fresh(idx, "file:///a.py")
+        except AssertionError:
+            equal.append(False)
+            continue
+        equal.append(True)
+        if step % 30 == 0:
+            fresh = NgramIndex(tok, max_n=6, min_n=2)
+            fresh.open("file:///a.py", expected)
+            assert_same_index(idx, fresh, "file:///a.py", rng)
+    return equal
+
+
+def test_a_tokenizer_without_cuts_retokenizes_the_whole_document() -> None:
+    """For a tokenizer the cut argument does not cover, every edit re-tokenizes the whole
+    document: after each random edit, tokens, offsets and keys equal a fresh build, and
+    lookups a fresh index's. The same edits re-tokenized only around the edit (the cut
+    window forced on) leave states a fresh build does not give: the check has power."""
+    assert all(_edit_without_cuts(incremental=False))
+    assert not all(_edit_without_cuts(incremental=True))
