@@ -102,7 +102,7 @@ def daemon_pids(socket_path: str) -> list[int]:
 
 def _target(model_dir: Path):
     """The model in ``model_dir`` as the trainers see it (fp32, frozen)."""
-    from codespec.daemon.training.train_eagle import Target
+    from codespec.daemon.training.trainer import Target
 
     return Target(str(model_dir))
 

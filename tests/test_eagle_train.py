@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from codespec.daemon.training import train_eagle
+from codespec.daemon.training import train_eagle, trainer
 from codespec.speculators.eagle_head import EagleConfig, EagleHead, load_head
 from conftest import tiny_llama, tiny_model_dir
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_training_steps_lower_the_loss():
     """Twenty steps on one batch: the decayed TTT loss falls and step-0 accuracy rises."""
     model = tiny_llama(vocab=96, layers=2, seed=2)
-    target = train_eagle.Target.__new__(train_eagle.Target)
+    target = trainer.Target.__new__(trainer.Target)
     target.model, target.config, target.num_layers = model, model.config, 2
     cfg = train_eagle.EagleTrainConfig(ttt_steps=3, decay=0.8)
     head = EagleHead(
@@ -47,7 +47,7 @@ def test_training_steps_lower_the_loss():
 
 def test_last_layer_tap_is_before_the_final_norm():
     model = tiny_llama(vocab=96, layers=2, seed=2)
-    target = train_eagle.Target.__new__(train_eagle.Target)
+    target = trainer.Target.__new__(trainer.Target)
     target.model, target.config, target.num_layers = model, model.config, 2
     x = torch.randint(0, 96, (1, 9))
     taps, logits = target.run(x, (0, 1, 2))
@@ -122,7 +122,7 @@ def test_sample_builder_rows_for_fim_and_plain_tokenizers():
     texts = train_data.read_texts(sorted(train_data.stdlib_root().glob("[b-c]*.py"))[:6])
     tok = train_data.train_tokenizer(texts, 600)
     cfg = train_eagle.EagleTrainConfig(seq_len=4096, seed=3, fim_rate=0.5)
-    builder = train_eagle.sample_builder(tok, texts, cfg)
+    builder = trainer.sample_builder(tok, texts, cfg)
     assert isinstance(builder, train_data.SampleBuilder)
     ids = {s: tok.token_to_id(s) for s in train_data.SPECIAL_TOKENS}
     assert [ids[s] for s in train_data.SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
@@ -144,8 +144,8 @@ def test_sample_builder_rows_for_fim_and_plain_tokenizers():
                     )
                     fim += 1
     assert fim > 0
-    plain = train_eagle.sample_builder(_without_fim(tok), texts, cfg)
-    assert isinstance(plain, train_eagle.WindowBuilder) and len(plain.row(0, 0)) == 4097
+    plain = trainer.sample_builder(_without_fim(tok), texts, cfg)
+    assert isinstance(plain, trainer.WindowBuilder) and len(plain.row(0, 0)) == 4097
 
 
 def _without_fim(tok):

@@ -1,16 +1,14 @@
 """`codespec train-eagle`: train an EAGLE-3 draft head on a model's own hidden states.
 
-Owns: the head's training data (a folder of ``.py`` files, by default the
-standard-library training sources of ``train_data``; ``Lib/test`` held out),
-the draft vocabulary (the most frequent tokens of that code), the training
-loop (the target runs in fp32 without gradients over each batch to give the
-taps and its distribution on the fly; training-time test unrolls several draft
-steps feeding the head its own predictions, step losses decayed; seeded,
-resumable, with a progress bar and a wall-clock budget: ``run_training``), the
-held-out report
-(teacher-forced per-step accuracy on stdlib ``test/`` windows, then real
-per-position acceptance when decoding held-out prompts through the engine) and
-the export in vLLM's ``speculators`` EAGLE-3 layout.
+Owns: the draft vocabulary (the most frequent tokens of the training code), the head
+built for the target, its loss (the target runs in fp32 without gradients over each
+batch to give the taps and its distribution on the fly; training-time test unrolls
+several draft steps feeding the head its own predictions, step losses decayed), the
+held-out report (teacher-forced per-step accuracy on stdlib ``test/`` windows, then real
+per-position acceptance when decoding held-out prompts through the engine) and the
+export in vLLM's ``speculators`` EAGLE-3 layout. The data, the frozen target and the
+optimizer loop (seeded, resumable, a progress bar and a wall-clock budget) are
+:mod:`.trainer`'s.
 
 Must not touch: the target model's weights (frozen, never written), the
 engine's decode loop, the daemon.
@@ -26,13 +24,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
-import os
 import random
 import sys
-import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +34,13 @@ from typing import Any
 import torch
 
 from codespec.daemon.engine.models import display_name
-from codespec.daemon.training.train_data import (
-    SPECIAL_TOKENS,
-    SampleBuilder,
-    SampleConfig,
-    collect_sources,
-    heldout_windows,
-    read_texts,
+from codespec.daemon.training.train_data import SPECIAL_TOKENS
+from codespec.daemon.training.trainer import (
+    Target,
+    heldout_eval_windows,
+    prepare,
+    run_figures,
+    run_training,
 )
 from codespec.speculators.eagle_head import EagleConfig, EagleHead, head_size, save_head
 
@@ -79,49 +73,7 @@ class EagleTrainConfig:
     eval_depth: int = 6
 
 
-# -- data ------------------------------------------------------------------------------
-
-
-def load_texts(data: str | None) -> list[str]:
-    """``.py`` files under ``data``; by default the stdlib training sources (``test/`` held out)."""
-    if data:
-        root = Path(data)
-        if not root.is_dir():
-            raise ValueError(f"--data {data} is not a folder")
-        paths = sorted(root.rglob("*.py"))
-    else:
-        paths, _ = collect_sources()
-    texts = [t for t in read_texts(paths) if t.strip()]
-    if not texts:
-        raise ValueError(f"no readable .py files in {data or 'the standard library'}")
-    return texts
-
-
-class WindowBuilder:
-    """Left-to-right windows of ``seq_len + 1`` tokens, for tokenizers without codespec's FIM
-    tokens. Row ``i`` of step ``s`` depends only on (seed, s, i)."""
-
-    def __init__(self, tok: Any, texts: list[str], cfg: SampleConfig) -> None:
-        self.tok, self.texts, self.cfg = tok, texts, cfg
-        self.weights = [len(t) for t in texts]
-
-    def row(self, step: int, index: int) -> list[int]:
-        rng = random.Random(f"{self.cfg.seed}/{step}/{index}")
-        out: list[int] = []
-        while len(out) < self.cfg.seq_len + 1:
-            text = rng.choices(self.texts, weights=self.weights)[0]
-            start = rng.randrange(0, max(1, len(text) - 4000))
-            out.extend(self.tok.encode(text[start : start + 6000]).ids)
-        return out[: self.cfg.seq_len + 1]
-
-
-def load_tokenizer(model_path: str) -> Any:
-    from tokenizers import Tokenizer
-
-    path = Path(model_path) / "tokenizer.json"
-    if not path.exists():
-        raise ValueError(f"no tokenizer.json in {model_path}")
-    return Tokenizer.from_file(str(path))
+# -- the draft vocabulary --------------------------------------------------------------
 
 
 def draft_vocabulary(
@@ -154,53 +106,6 @@ def draft_vocabulary(
     total = sum(counts.values())
     covered = sum(counts[t] for t in chosen)
     return torch.tensor(sorted(chosen)), covered / max(1, total)
-
-
-# -- the target ------------------------------------------------------------------------
-
-
-class Target:
-    """The frozen target in fp32: taps and logits of a batch, no gradients."""
-
-    def __init__(self, model_path: str) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, local_files_only=True, dtype=torch.float32
-        ).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        self.config = self.model.config
-        self.num_layers = int(self.config.num_hidden_layers)
-
-    @property
-    def embed(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
-
-    @property
-    def lm_head(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight
-
-    @torch.no_grad()
-    def run(self, x: torch.Tensor, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``(B, T)`` → taps ``(B, T, 3, h)`` and logits ``(B, T, V)``.
-
-        Tap ``l < L`` is ``hidden_states[l]``; tap ``L`` (the last layer's output
-        before the final norm) is hooked, as ``HFRunner`` does.
-        """
-        last: list[torch.Tensor] = []
-        hook = None
-        if self.num_layers in taps:
-            hook = self.model.model.layers[-1].register_forward_hook(
-                lambda _m, _i, o: last.append(o[0] if isinstance(o, tuple) else o)
-            )
-        try:
-            out = self.model(input_ids=x, output_hidden_states=True, use_cache=False)
-        finally:
-            if hook is not None:
-                hook.remove()
-        states = [last[0] if t == self.num_layers else out.hidden_states[t] for t in taps]
-        return torch.stack(states, dim=2).float(), out.logits.float()
 
 
 # -- loss and metrics ------------------------------------------------------------------
@@ -241,13 +146,6 @@ def ttt_loss(
             correct = correct[:, :n] & hit
             accs.append(float(correct.float().mean()))
     return loss / weight_sum, accs
-
-
-def lr_at(progress: float, step: int, cfg: EagleTrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
 @torch.no_grad()
@@ -345,130 +243,6 @@ def build_head(target: Target, cfg: EagleTrainConfig, tok: Any, texts: list[str]
     return head, coverage
 
 
-def sample_builder(tok: Any, texts: list[str], cfg: Any) -> Any:
-    """Training rows: FIM / left-to-right samples when the tokenizer has the FIM tokens,
-    plain windows otherwise (``cfg`` gives ``seq_len``, ``seed``, ``fim_rate``)."""
-    tcfg = SampleConfig(seq_len=cfg.seq_len, seed=cfg.seed, fim_rate=cfg.fim_rate)
-    has_fim = all(tok.token_to_id(s) is not None for s in SPECIAL_TOKENS)
-    return SampleBuilder(tok, texts, tcfg) if has_fim else WindowBuilder(tok, texts, tcfg)
-
-
-def run_training(
-    module: torch.nn.Module,
-    cfg: Any,
-    out: Path,
-    resume: bool,
-    key: str,
-    desc: str,
-    tok: Any,
-    texts: list[str],
-    step_fn: Callable[[torch.Tensor], tuple[torch.Tensor, list[float]]],
-) -> tuple[int, list[float], float]:
-    """The loop the draft-head trainers share: AdamW over ``module``'s trainable parameters,
-    resume from ``out/checkpoint.pt`` (the module's state under ``key``), the config written
-    beside it, seeded rows, the wall-clock budget ``cfg.minutes``, the learning-rate schedule,
-    clipped steps, a progress bar and checkpoints. ``step_fn(rows)`` returns the loss and
-    accuracies to show. Returns (steps done, losses, minutes trained)."""
-    from tqdm import tqdm
-
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    start, elapsed = 0, 0.0
-    ckpt = out / "checkpoint.pt"
-    if resume and ckpt.exists():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if state.get("config") != asdict(cfg):
-            print("note: resuming with a different configuration", flush=True)
-        module.load_state_dict(state[key])
-        opt.load_state_dict(state["optim"])
-        start, elapsed = int(state["step"]), float(state["elapsed"])
-        print(f"resumed at step {start} ({elapsed / 60:.1f} min trained)", flush=True)
-    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    builder = sample_builder(tok, texts, cfg)
-
-    def checkpoint(step: int) -> None:
-        tmp = ckpt.with_suffix(".tmp")
-        state = {
-            key: module.state_dict(),
-            "optim": opt.state_dict(),
-            "step": step,
-            "elapsed": time.time() - t0,
-            "config": asdict(cfg),
-        }
-        torch.save(state, tmp)
-        os.replace(tmp, ckpt)
-
-    module.train()
-    budget_s = cfg.minutes * 60
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=desc, unit="step")
-    t0 = time.time() - elapsed
-    step = start
-    losses: list[float] = []
-    for step in bar:
-        elapsed = time.time() - t0
-        if budget_s and elapsed >= budget_s:
-            print(f"\nwall-clock budget reached after {step} steps", flush=True)
-            break
-        progress = max(step / cfg.steps, elapsed / budget_s if budget_s else 0.0)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(progress, step, cfg)
-        x = torch.tensor([builder.row(step, i) for i in range(cfg.batch_size)])
-        loss, accs = step_fn(x)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
-        if (step + 1) % cfg.checkpoint_every == 0:
-            checkpoint(step + 1)
-    else:
-        step = cfg.steps
-    bar.close()
-    minutes = (time.time() - t0) / 60
-    checkpoint(step)
-    return step, losses, minutes
-
-
-def prepare(
-    cfg: Any, model: str | None, data: str | None
-) -> tuple[str, Path, Any, list[str], Target]:
-    """What every head trainer starts from: torch threads set, the target's folder, the
-    output folder (created), the target's tokenizer, the training texts, the target."""
-    from codespec.daemon.engine.loading import resolve_model_path
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    model_path = resolve_model_path(model)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    return model_path, out, load_tokenizer(model_path), load_texts(data), Target(model_path)
-
-
-def heldout_eval_windows(tok: Any, cfg: Any) -> list[list[int]]:
-    """The held-out (stdlib ``test/``) windows a trainer reports its accuracies on."""
-    _, heldout_files = collect_sources()
-    return heldout_windows(tok, read_texts(heldout_files), cfg.seq_len, cfg.eval_windows, cfg.seed)
-
-
-def run_figures(
-    step: int, minutes: float, losses: list[float], cfg: Any, coverage: float
-) -> dict[str, Any]:
-    """The training figures every head trainer's training.json starts with."""
-
-    def mean(xs: list[float]) -> float | None:
-        return round(sum(xs) / len(xs), 4) if xs else None
-
-    return {
-        "steps": step,
-        "minutes": round(minutes, 2),
-        "train_tokens": step * cfg.batch_size * cfg.seq_len,
-        "final_loss": mean(losses[-20:]),
-        "first_loss": mean(losses[:5]),
-        "draft_vocab_coverage": round(coverage, 4),
-    }
-
-
 def _eagle_step(
     head: EagleHead, target: Target, x: torch.Tensor, cfg: EagleTrainConfig
 ) -> tuple[torch.Tensor, list[float]]:
@@ -507,9 +281,24 @@ def train(
     save_head(head, out)
     size = sum(f.stat().st_size for f in out.iterdir() if f.name != "checkpoint.pt")
     print(f"saved the head to {out} ({size / 1e6:.1f} MB, speculators EAGLE-3 layout)", flush=True)
+    metrics = {
+        **run_figures(step, minutes, losses, cfg, coverage),
+        **heldout_report(head, target, tok, model_path, out, cfg),
+        "head": head_size(head),
+        "train_config": asdict(cfg),
+    }
+    (out / "training.json").write_text(json.dumps(metrics, indent=2))
+    print(json.dumps({k: metrics[k] for k in metrics if k not in ("head", "train_config")}))
+    return 0
 
-    windows = heldout_eval_windows(tok, cfg)
-    tf_acc = heldout_accuracy(head, target, windows, cfg)
+
+def heldout_report(
+    head: EagleHead, target: Target, tok: Any, model_path: str, out: Path, cfg: EagleTrainConfig
+) -> dict[str, Any]:
+    """The held-out figures of a trained head (printed as they come): teacher-forced
+    accuracy per draft step, cumulative and conditional, then real decoding
+    (``cfg.eval_prompts`` prompts; none when 0)."""
+    tf_acc = heldout_accuracy(head, target, heldout_eval_windows(tok, cfg), cfg)
     cond = [tf_acc[0]] + [b / a if a else 0.0 for a, b in itertools.pairwise(tf_acc)]
     print(
         "held-out (stdlib test/) teacher-forced, per draft step: cumulative "
@@ -531,17 +320,11 @@ def train(
             f"{real['tokens_per_target_forward']} tokens per target forward",
             flush=True,
         )
-    metrics = {
-        **run_figures(step, minutes, losses, cfg, coverage),
+    return {
         "heldout_teacher_forced_cumulative": [round(a, 4) for a in tf_acc],
         "heldout_teacher_forced_conditional": [round(a, 4) for a in cond],
         "heldout_decoding": real,
-        "head": head_size(head),
-        "train_config": asdict(cfg),
     }
-    (out / "training.json").write_text(json.dumps(metrics, indent=2))
-    print(json.dumps({k: metrics[k] for k in metrics if k not in ("head", "train_config")}))
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
