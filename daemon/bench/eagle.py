@@ -53,10 +53,10 @@ from codespec.daemon.bench.methods import add_engine_args, open_engine
 
 DEFAULT_WORKLOADS = ("/tmp/wl/novel.jsonl", "/tmp/wl/completion.jsonl")
 VARIANTS: dict[str, dict[str, Any]] = {
-    "chain": {"topk": 1, "adaptive": True},  # what `speculation: "eagle"` uses
-    "deep": {"topk": 1, "adaptive": False},  # always --depth: the most tokens per forward
-    "tree": {"topk": 4, "adaptive": True},
-    "dtree": {"topk": 4, "adaptive": False},  # a tree always grown to --depth, --nodes nodes
+    "chain": {"topk": 1, "policy": True},  # what `speculation: "eagle"` uses
+    "deep": {"topk": 1, "policy": False},  # always --depth: the most tokens per forward
+    "tree": {"topk": 4, "policy": True},
+    "dtree": {"topk": 4, "policy": False},  # a tree always grown to --depth, --nodes nodes
 }
 
 
@@ -183,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     def proposer(variant: str) -> tuple[Any, EagleProposer]:
-        """(what the engine drives, the EAGLE proposer): adaptive variants run under the
+        """(what the engine drives, the EAGLE proposer): policy variants run under the
         policy's controller, as ``speculation: "eagle"`` does; the others draft every step."""
         spec = VARIANTS[variant]
         topk = args.topk if args.topk and spec["topk"] > 1 else spec["topk"]
         nodes = args.depth if topk == 1 else args.nodes
         eagle = EagleProposer(runtime, depth=args.depth, topk=topk, max_nodes=nodes)
-        if not spec["adaptive"]:
+        if not spec["policy"]:
             return eagle, eagle
         return Controller(engine, {"eagle": eagle}, name="eagle"), eagle
 

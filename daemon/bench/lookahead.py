@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--grid",
         default=DEFAULT_GRID,
-        help='configurations "W,N,G;W,N,G,Y;...": window, n-gram, guesses, min_yield',
+        help='configurations "W,N,G;W,N,G,all;...": window, n-gram, guesses (all: no policy)',
     )
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
     p.add_argument("--max-draft", type=int, default=16, help="draft tokens verified per forward")

@@ -1,47 +1,41 @@
-"""``codespec bench runner``: per-forward time of the lean runner vs the HF runner.
+"""``codespec bench runner``: a forward's time per runner, against the bytes it must read.
 
-Runners over the same weights: ``lean`` (the lean runner as the engine builds it:
-on an x86-64 CPU with AVX2 its products go through the ``cpu_gemm`` kernel, an fp16 or
-bf16 checkpoint's weights held as 16-bit panels), ``fp32`` (the same on fp32 panels;
-shown when lean holds 16-bit ones), ``torch`` (the same runner with torch's products, i.e.
-``kernels=False``; shown when the kernel is in use) and ``hf`` (fp32).
+Runners over the same model (``--runners``, those that apply):
 
-This module owns the runner micro-benchmark only; it builds runners through their
-public constructors and must not reach into the engine, the CLI or the proposers.
+- ``gguf``: the lean runner on the GGUF's own blocks, exact products (what the engine
+  loads on a CPU for a model made from a GGUF);
+- ``gguf-i8``: the same with x rounded to int8 for the block products (llama.cpp's way,
+  ``CODESPEC_GGUF_PRODUCTS=int8``; not bit-equal to ``gguf``);
+- ``fp16``: the lean runner on the folder's safetensors as 16-bit ``cpu_gemm`` panels
+  (the engine's runner before GGUF blocks; an fp32 checkpoint keeps fp32 panels);
+- ``torch-int8`` / ``torch-int4``: the lean runner's torch path with every matrix through
+  torch's weight-only CPU kernels (``aten._weight_int8pack_mm``, int8 per output channel;
+  ``aten._weight_int4pack_mm_for_cpu``, int4 in groups of 32), fp32 cache, SDPA.
 
-For each context length (default 256, 1300, 4000 cached tokens) it times one
-forward of T appended tokens (T = 1 is a decode step, T = 8 .. 64 a chain
-verification), rolling the cache back to the context after every forward. Lean
-and HF forwards are interleaved (the order alternates per repetition) and
-medians are reported, because the machine is noisy and shared.
+For each context (default 256, 1,300, 4,000 cached tokens) it times forwards of T tokens
+(T = 1 a decode step, 8 and 16 a verification) on top of the context, rolling back after
+each; runners are interleaved (the order rotates per repetition) and medians reported,
+because the machine is shared. ``verify/decode`` is a forward's time in decode steps of
+the same runner.
 
-The floor is the time to read the bytes one forward must read at the measured
-bandwidth::
+The floor is the time to read the bytes a forward reads at the measured bandwidth::
 
     floor = (weight bytes + KV bytes over context + T) / bandwidth
 
-where the weight bytes are every matrix and norm of the decoder plus the LM head
-(a tied embedding counted once; the embedding lookup reads only T rows) and the
-bandwidth is measured by the same script as the best of two large fp32
-matrix-vector products (128 MiB of weights, ``W @ x`` and ``x @ W^T`` layouts).
-For T > 1 the floor is still the bytes floor; verification can be compute-bound.
+weight bytes as the runner holds them (blocks, panels or torch's packs; the tied
+embedding once, as the LM head), KV bytes as its cache stores them (fp16 in the C++
+stack, fp32 on the torch path); the bandwidth is the best of two fp32 matrix-vector
+products over 128 MiB. For T > 1 the floor is still the bytes floor (verification can be
+compute-bound).
 
-The model: ``--model`` (what ``codespec serve --model`` takes: an HF checkpoint
-folder, a name in the local HF cache or a ``.gguf`` file), else the default model
-(SmolLM2-135M-Instruct, fetched once, see ``codespec.daemon.engine.models``), else, when
-that cannot be had (offline, nothing cached) or with ``--random``, a
-random-initialised 4-layer, 384-wide Llama (vocab 8192, 6 heads, 2 kv heads,
-intermediate 1024). Contexts beyond the model's ``max_position_embeddings`` are
-fine: both runners get a larger ``max_length`` (HF through a config copy);
-default RoPE extrapolates.
-
-Prints a table and ends with one JSON line.
+The model: ``--model`` (an HF folder, a cached name or a ``.gguf``), else the default
+(SmolLM2-135M-Instruct, fetched once). Prints a table and ends with one JSON line. It
+builds runners through their public constructors only.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -51,62 +45,75 @@ from typing import Any
 
 import torch
 
-from codespec.daemon.engine import models
+from codespec.daemon.engine import gguf_weights, models
 from codespec.daemon.engine.lean import LeanRunner, kv_bytes, param_bytes
-from codespec.daemon.engine.runner import HFRunner
+
+RUNNERS = ("gguf", "gguf-i8", "fp16", "torch-int8", "torch-int4")
 
 
-def _model_dir(model: str | None, random_weights: bool) -> Path | None:
-    """The folder to benchmark: ``--model`` resolved, else the default model; None for the
-    random Llama (asked for, or the default cannot be had)."""
-    if random_weights:
-        return None
-    try:
-        return models.resolve(model)
-    except models.ModelError as exc:
-        if model is not None:
-            raise SystemExit(f"codespec bench runner: error: {exc}") from None
-        print(f"no default model ({exc}); timing a random Llama instead", file=sys.stderr)
-        return None
+class WeightOnly:
+    """An ``(in, out)`` matrix through torch's int8 / int4 weight-only CPU kernels (what
+    ``cpu_gemm.linear`` calls for a matrix that is not a tensor)."""
+
+    def __init__(self, w: torch.Tensor, bits: int) -> None:
+        w = w.detach().float().t().contiguous()  # (n, k)
+        n, k = w.shape
+        self.bits = bits
+        if bits == 8:
+            self.scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127  # (n,)
+            self.q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
+            self.nbytes = n * k + 4 * n
+            return
+        g = 32  # int4 in groups of 32 along k: w = (q - 8) * scale + zero
+        wg = w.reshape(n, k // g, g)
+        lo, hi = wg.amin(dim=2), wg.amax(dim=2)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        q4 = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.reshape(n, k), 2)
+        self.sz = torch.stack([scale.T, (lo + 8 * scale).T], dim=-1).contiguous()
+        self.nbytes = self.q.numel() * self.q.element_size() + self.sz.numel() * 4
+
+    def linear(self, x: torch.Tensor, bias=None, res=None) -> torch.Tensor:
+        if self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, 32, self.sz)
+        if bias is not None:
+            y = y + bias
+        return y if res is None else y + res
 
 
-def _random_llama(max_length: int, seed: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _weight_only(runner: LeanRunner, bits: int) -> LeanRunner:
+    """``runner`` (torch path) with every matrix in torch's weight-only kernels."""
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=max_length,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg).eval()
+    def q(w: torch.Tensor) -> WeightOnly:
+        return WeightOnly(w, bits)
+
+    runner.lm_head_t = q(runner.lm_head_t)
+    runner.layers = [
+        (ln1, q(wqkv), bqkv, q(wo), bo, ln2, q(wgu), bgu, q(wd), bd)
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in runner.layers
+    ]
+    return runner
 
 
-def build_runners(
-    model_dir: Path | None, max_length: int, compile: bool, seed: int, kernels: bool | None = None
-) -> tuple[LeanRunner, HFRunner, str]:
-    """(lean, hf, description) over the same fp32 weights on the CPU."""
-    if model_dir is None:
-        model = _random_llama(max_length, seed)
-        lean = LeanRunner.from_hf_model(
-            model, max_length=max_length, compile=compile, kernels=kernels
-        )
-        return lean, HFRunner(model, max_length=max_length), "random 4x384 llama"
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = copy.deepcopy(AutoConfig.from_pretrained(str(model_dir)))
-    cfg.max_position_embeddings = max(max_length, int(cfg.max_position_embeddings))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=cfg, dtype=torch.float32)
-    lean = LeanRunner.from_pretrained(
-        model_dir, max_length=max_length, compile=compile, kernels=kernels
-    )
-    lean.half_panels()  # as the engine loads it: an fp16 / bf16 checkpoint as 16-bit panels
-    return lean, HFRunner(model.eval(), max_length=max_length), str(model_dir)
+def build(name: str, folder: Path, max_length: int) -> LeanRunner:
+    """Runner ``name`` (one of :data:`RUNNERS`) over the model folder."""
+    if name.startswith("gguf"):
+        manifest = models.read_manifest(folder)
+        path = models.CachedModel(folder, manifest).gguf if manifest else None
+        if path is None:
+            raise LookupError("the model folder names no GGUF")
+        config = gguf_weights.config_from_json(folder / "config.json")
+        return LeanRunner.from_gguf(path, config, max_length, int8=name == "gguf-i8")
+    if name == "fp16":
+        runner = LeanRunner.from_pretrained(folder, max_length=max_length, kernels=True)
+        runner.half_panels()
+        return runner
+    if name.startswith("torch-int") and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        raise LookupError("this torch has no weight-only CPU kernels")
+    runner = LeanRunner.from_pretrained(folder, max_length=max_length, kernels=False)
+    return _weight_only(runner, 8 if name == "torch-int8" else 4)
 
 
 def measure_bandwidth(reps: int = 15) -> dict[str, float]:
@@ -114,24 +121,22 @@ def measure_bandwidth(reps: int = 15) -> dict[str, float]:
     rows, cols = 4096, 8192
     w = torch.randn(rows, cols)  # (out, in)
     wt = w.t().contiguous()  # (in, out)
-    x = torch.randn(cols)
-    xr = torch.randn(1, rows)
-    nbytes = rows * cols * 4
+    x, xr = torch.randn(cols), torch.randn(1, rows)
     times: dict[str, list[float]] = {"mv": [], "vm": []}
     for _ in range(reps):
         t0 = time.perf_counter()
         torch.mv(w, x)
         t1 = time.perf_counter()
-        torch.mm(xr, wt.t())  # (1, cols): x @ W with W stored (in, out) row-major
+        torch.mm(xr, wt.t())
         t2 = time.perf_counter()
         times["mv"].append(t1 - t0)
         times["vm"].append(t2 - t1)
-    out = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+    out = {k: rows * cols * 4 / statistics.median(v) / 1e9 for k, v in times.items()}
     out["best"] = max(out.values())
     return out
 
 
-def _timed(runner: Any, ids: list[int], back_to: int) -> float:
+def _timed(runner: LeanRunner, ids: list[int], back_to: int) -> float:
     t0 = time.perf_counter()
     runner.forward(ids)
     dt = time.perf_counter() - t0
@@ -139,98 +144,116 @@ def _timed(runner: Any, ids: list[int], back_to: int) -> float:
     return dt
 
 
+def time_context(
+    named: dict[str, LeanRunner], ctx: int, sizes: list[int], reps: int, budget_s: float, gen
+) -> dict[tuple[str, int], float]:
+    """Median seconds of each runner's T-token forward after ``ctx`` cached tokens.
+    Slow runners get fewer repetitions (``budget_s`` per runner and size, at least 3)."""
+    vocab = next(iter(named.values())).vocab_size
+    prefix = torch.randint(0, vocab, (ctx,), generator=gen).tolist()
+    draft = torch.randint(0, vocab, (max(sizes),), generator=gen).tolist()
+    first: dict[tuple[str, int], float] = {}
+    for label, r in named.items():
+        r.reset()
+        r.forward(prefix, last_only=True)
+        for t in sizes:  # warm-up, and a first time for the budget
+            _timed(r, draft[:t], ctx)
+            first[(label, t)] = _timed(r, draft[:t], ctx)
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in first}
+    labels = list(named)
+    for rep in range(reps):
+        for t in sizes:
+            k = rep % len(labels)
+            for label in labels[k:] + labels[:k]:
+                if rep >= max(3, int(budget_s / max(first[(label, t)], 1e-6))):
+                    continue
+                times[(label, t)].append(_timed(named[label], draft[:t], ctx))
+    return {k: statistics.median(v or [first[k]]) for k, v in times.items()}
+
+
+def _rows(named, contexts, sizes, args, bw) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for ctx in contexts:
+        med = time_context(named, ctx, sizes, args.reps, args.budget_s, gen)
+        for label, r in named.items():
+            decode = med[(label, 1)] if 1 in sizes else None
+            for t in sizes:
+                nbytes = param_bytes(r) + kv_bytes(r, ctx + t)
+                ms = med[(label, t)] * 1e3
+                floor = nbytes / (bw * 1e9) * 1e3
+                rows.append(
+                    {
+                        "runner": label,
+                        "context": ctx,
+                        "tokens": t,
+                        "ms": round(ms, 3),
+                        "decode_steps": round(med[(label, t)] / decode, 2) if decode else None,
+                        "bytes": nbytes,
+                        "floor_ms": round(floor, 3),
+                        "vs_floor": round(ms / floor, 2),
+                    }
+                )
+    return rows
+
+
+def _print(rows: list[dict[str, Any]], named: dict[str, LeanRunner], desc: str, args, bw) -> None:
+    print(f"model: {desc}   threads {args.threads}   medians of up to {args.reps}, interleaved")
+    print(f"bandwidth: {bw['best']:.1f} GB/s (W@x {bw['mv']:.1f}, x@W {bw['vm']:.1f})")
+    for label, r in named.items():
+        kv = kv_bytes(r, 1)
+        print(f"  {label:<11} weights {param_bytes(r) / 1e6:7.1f} MB   KV {kv} B/token")
+    head = f"{'ctx':>5} {'T':>3} {'runner':<11} {'ms':>8} {'/decode':>8}"
+    print(head + f" {'floor ms':>9} {'/floor':>7}")
+    for r in rows:
+        steps = f"{r['decode_steps']:>8.2f}" if r["decode_steps"] is not None else f"{'':>8}"
+        print(
+            f"{r['context']:>5} {r['tokens']:>3} {r['runner']:<11} {r['ms']:>8.2f} {steps} "
+            f"{r['floor_ms']:>9.2f} {r['vs_floor']:>7.2f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="codespec bench runner", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--random", action="store_true", help="time a random 4x384 Llama instead")
+    ap.add_argument("--runners", default=",".join(RUNNERS), help="runners to time")
     ap.add_argument("--contexts", default="256,1300,4000", help="cached tokens, comma-separated")
-    ap.add_argument("--tokens", default="1,8,16,32,64", help="tokens per forward")
+    ap.add_argument("--tokens", default="1,8,16", help="tokens per forward (1 = decode)")
     ap.add_argument("--reps", type=int, default=15, help="timed forwards per cell and runner")
+    ap.add_argument("--budget-s", type=float, default=3.0, help="seconds per cell at most")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the lean layers")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
-    sizes = [int(t) for t in args.tokens.split(",")]
+    sizes = sorted({int(t) for t in args.tokens.split(",")} | {1})
+    try:
+        folder = models.resolve(args.model)
+    except models.ModelError as exc:
+        raise SystemExit(f"codespec bench runner: error: {exc}") from None
     max_length = max(contexts) + max(sizes)
-    model_dir = _model_dir(args.model, args.random)
-    lean, hf, desc = build_runners(model_dir, max_length, args.compile, args.seed)
-    named: list[tuple[str, Any]] = [("lean", lean), ("hf", hf)]
-    if lean.kernels:  # the same runner on torch's products, side by side
-        plain = LeanRunner.from_hf_model(
-            hf.model, max_length=max_length, compile=args.compile, kernels=False
-        )
-        named.insert(1, ("torch", plain))
-    narrow = lean.kernels and lean.lm_head_t.dtype != torch.float32
-    if narrow:  # and on fp32 panels
-        wide = LeanRunner.from_hf_model(hf.model, max_length=max_length, kernels=True)
-        named.insert(1, ("fp32", wide))
+    named: dict[str, LeanRunner] = {}
+    for name in [n.strip() for n in args.runners.split(",") if n.strip()]:
+        if name not in RUNNERS:
+            raise SystemExit(f"codespec bench runner: unknown runner {name!r} ({RUNNERS})")
+        try:
+            named[name] = build(name, folder, max_length)
+        except (LookupError, RuntimeError, ValueError) as exc:
+            print(f"skipping {name}: {exc}", file=sys.stderr)
+    if not named:
+        raise SystemExit("codespec bench runner: no runner could be built")
     bw = measure_bandwidth()
-    wbytes = param_bytes(lean)
-    gen = torch.Generator().manual_seed(args.seed)
-
-    rows = []
-    for ctx in contexts:
-        prefix = torch.randint(0, lean.vocab_size, (ctx,), generator=gen).tolist()
-        draft = torch.randint(0, lean.vocab_size, (max(sizes),), generator=gen).tolist()
-        for _, r in named:
-            r.reset()
-            r.forward(prefix)
-            for t in sizes:  # warm-up: allocator, kernels, compilation
-                _timed(r, draft[:t], ctx)
-        times: dict[tuple[str, int], list[float]] = {}
-        for rep in range(args.reps):
-            for t in sizes:
-                k = rep % len(named)
-                for label, r in named[k:] + named[:k]:  # rotate the order per repetition
-                    times.setdefault((label, t), []).append(_timed(r, draft[:t], ctx))
-        for t in sizes:
-            nbytes = wbytes + kv_bytes(lean, ctx + t)
-            row: dict[str, Any] = {"context": ctx, "tokens": t}
-            for label, _ in named:
-                row[f"{label}_ms"] = statistics.median(times[(label, t)]) * 1e3
-            row["floor_ms"] = nbytes / (bw["best"] * 1e9) * 1e3
-            row["bytes"] = nbytes
-            rows.append(row)
-
-    decode = {r["context"]: r["lean_ms"] for r in rows if r["tokens"] == 1}
-    others = [label for label, _ in named if label not in ("lean", "hf")]
-    kernel_note = "cpu_gemm kernel" if lean.kernels else "torch products"
-    if narrow:
-        width = "fp16" if lean.lm_head_t.dtype == torch.float16 else "bf16"
-        kernel_note += f" with {width} weight panels (fp32: the same on fp32 panels)"
-    print(f"model: {desc}   weights {wbytes / 1e6:.1f} MB   threads {args.threads}")
-    print(
-        f"bandwidth: {bw['best']:.1f} GB/s (W@x {bw['mv']:.1f}, x@W {bw['vm']:.1f}); "
-        f"medians of {args.reps}, runners interleaved; lean uses the {kernel_note}"
-    )
-    head = f"{'ctx':>5} {'T':>3} {'lean ms':>8} "
-    head += "".join(f"{label + ' ms':>8} {label + '/lean':>10} " for label in others)
-    head += f"{'hf ms':>8} {'hf/lean':>7} {'floor ms':>8} {'lean/floor':>10} {'lean/decode':>11}"
-    print(head)
-    for r in rows:
-        line = f"{r['context']:>5} {r['tokens']:>3} {r['lean_ms']:>8.2f} "
-        for label in others:
-            line += f"{r[label + '_ms']:>8.2f} {r[label + '_ms'] / r['lean_ms']:>10.2f} "
-        line += (
-            f"{r['hf_ms']:>8.2f} {r['hf_ms'] / r['lean_ms']:>7.2f} {r['floor_ms']:>8.2f} "
-            f"{r['lean_ms'] / r['floor_ms']:>10.2f} {r['lean_ms'] / decode[r['context']]:>11.2f}"
-        )
-        print(line)
+    rows = _rows(named, contexts, sizes, args, bw["best"])
+    _print(rows, named, str(folder), args, bw)
     summary = {
         "bench": "runner",
-        "model": desc,
-        "weight_bytes": wbytes,
+        "model": str(folder),
         "threads": args.threads,
-        "compile": args.compile,
-        "kernels": lean.kernels,
         "reps": args.reps,
         "bandwidth_gbs": round(bw["best"], 2),
-        "rows": [
-            {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows
-        ],
+        "weight_bytes": {k: param_bytes(r) for k, r in named.items()},
+        "rows": rows,
     }
     print(json.dumps(summary))
     return 0

@@ -351,7 +351,10 @@ def linear(
     res: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ w (+ bias) (+ res)``: packed panels (3-D ``w``) go to the kernel, an
-    ``(in, out)`` matrix to torch (``addmm`` with the residual and bias fused)."""
+    ``(in, out)`` matrix to torch (``addmm`` with the residual and bias fused), any other
+    matrix object to its own ``linear(x, bias, res)``."""
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, bias, res)
     if w.dim() == 3:
         return mm(x, w, bias, res)
     if res is not None:

@@ -464,11 +464,11 @@ def _layer_spec(layer: Any) -> dict[str, Any]:
     }
 
 
-def _weights(obj: Any) -> list[Any]:
+def flat_weights(obj: Any) -> list[Any]:
     if isinstance(obj, dict):
-        return [w for v in obj.values() for w in _weights(v)]
+        return [w for v in obj.values() for w in flat_weights(v)]
     if isinstance(obj, list | tuple):
-        return [w for v in obj for w in _weights(v)]
+        return [w for v in obj for w in flat_weights(v)]
     return [] if obj is None else [obj]
 
 
@@ -477,11 +477,11 @@ def param_bytes(runner: LeanRunner) -> int:
     GGUF blocks as stored)."""
     seen: set[int] = set()
     total = 0
-    for t in _weights([runner.lm_head_t, runner.norm, runner.layers]):
-        if isinstance(t, quant_gemm.QuantMatrix):
-            ptr, size = t.panels.data_ptr(), t.nbytes
-        else:
+    for t in flat_weights([runner.lm_head_t, runner.norm, runner.layers]):
+        if isinstance(t, torch.Tensor):
             ptr, size = t.data_ptr(), t.numel() * t.element_size()
+        else:  # a QuantMatrix, or any matrix object that knows its bytes
+            ptr, size = id(t), int(t.nbytes)
         if ptr not in seen:
             seen.add(ptr)
             total += size
