@@ -93,8 +93,10 @@ def test_serve_lifecycle(tmp_path):
             s = json.loads(status.stdout)
             assert s["model"] == "SmolLM2-135M-Instruct" and s["documents"] == 1
             assert s["policy"]["weights"]["eagle"] == "no weights for this model"
+            if s["runner"] == "lean":  # the default model runs from its GGUF's own blocks
+                assert s["cpu_kernel"] == "qgemm, GGUF blocks Q4_1/Q8_0, exact products"
             text = cli(env, "status", timeout=60)
-            assert "weights    medusa: no weights for this model" in text.stdout, text.stdout
+            assert "weights    eagle: no weights for this model" in text.stdout, text.stdout
             assert s["requests"]["served"] >= 1
 
             proc.send_signal(signal.SIGTERM)

@@ -16,8 +16,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from codespec.daemon.engine import cpu_gemm
+import torch
+
+from codespec.daemon.engine import cpu_gemm, quant_gemm
 from codespec.daemon.engine.engine import GenParams
+from codespec.daemon.engine.lean import flat_weights
 from codespec.daemon.prompts import completion
 from codespec.daemon.service import protocol as proto
 from codespec.daemon.service.connection import Connection, Handler, Waiting, cancelled_frame
@@ -48,10 +51,17 @@ Params = Mapping[str, Any]
 
 def cpu_kernel(engine: Any) -> str:
     """``cpu_gemm`` when the runner's products use the CPU kernel, else why not."""
-    if getattr(engine.runner, "kernels", False):
-        head = getattr(engine.runner, "lm_head_t", None)
+    runner = engine.runner
+    if getattr(runner, "gguf", False):  # the GGUF's own blocks, by type
+        mats = flat_weights([runner.lm_head_t, runner.layers])
+        kinds = sorted({w.qtype for w in mats if isinstance(w, quant_gemm.QuantMatrix)})
+        products = "int8 activations" if getattr(runner, "int8", False) else "exact"
+        return f"qgemm, GGUF blocks {'/'.join(kinds)}, {products} products"
+    if getattr(runner, "kernels", False):
+        head = getattr(runner, "lm_head_t", None)
         narrow = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
-        kind = narrow.get(str(head.dtype)) if head is not None and head.dim() == 3 else None
+        is_panel = isinstance(head, torch.Tensor) and head.dim() == 3
+        kind = narrow.get(str(head.dtype)) if is_panel else None
         return f"cpu_gemm, {kind} weights" if kind else "cpu_gemm"
     if engine.device.type != "cpu" or engine.runner.name != "lean":
         return "off"
