@@ -26,6 +26,7 @@ __all__ = [
     "Backoff",
     "Book",
     "PolicyStore",
+    "forget",
     "measured",
     "store_for",
     "temperature_class",
@@ -170,6 +171,11 @@ def store_for(target: Any) -> PolicyStore:
     if store is None:
         store = _STORES[target] = PolicyStore()
     return store
+
+
+def forget(target: Any) -> None:
+    """Drop what the policy has learnt on ``target`` (its next request starts afresh)."""
+    _STORES.pop(target, None)
 
 
 def measured(target: Any) -> dict[str, Any]:

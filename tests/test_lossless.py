@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from codespec.daemon.engine.engine import GenParams
+from codespec.speculators.book import forget
 from codespec.speculators.registry import build, make_proposer
 from codespec.speculators.weights import weights
 from conftest import SPEC_PROMPTS, heldout_prompts
@@ -108,7 +109,9 @@ def test_every_proposer_equals_plain(spec_engine, cases, name, bare, one_thread)
     head beside it: plain decoding's tokens on all 50 prompts, with drafts verified. Bare,
     both get draft tokens accepted (the engine's count, bonus not counted): the EAGLE head
     was trained on these prompts, and lookahead's n-gram pool catches the tiny model's
-    greedy output repeating itself."""
+    greedy output repeating itself. The policy starts from nothing measured, as a fresh
+    daemon does (what earlier tests taught it could have retired the proposer)."""
+    forget(spec_engine)
     drafted = accepted = 0
     for n, (prompt, plain) in enumerate(cases):
         spec_engine.reset_cache()

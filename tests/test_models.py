@@ -42,7 +42,8 @@ def _sha(path: Path) -> str:
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
 def test_gguf_import_matches_transformers(gguf_dir, tmp_path, arch, qtype):
     """The imported folder runs to transformers' own logits for the same file; F32 and
-    F16 tensors keep their values (tight), quantized ones go through fp16 (close)."""
+    F16 tensors keep their values (tight; the lean runner's fp16 KV cache costs it some
+    digits), quantized ones go through fp16 (close)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = write_gguf(gguf_dir / f"{arch}-{qtype}.gguf", arch, qtype)
@@ -59,6 +60,8 @@ def test_gguf_import_matches_transformers(gguf_dir, tmp_path, arch, qtype):
         r, _ = load_runner(str(folder), torch.device("cpu"), runner)
         got = r.forward(ids).logits
         tol = 1e-5 if qtype in ("F32", "F16") else 5e-3
+        if runner == "lean":  # its KV cache is fp16: K and V rounded to 11 bits
+            tol = max(tol, 2e-3)
         assert (got - want).abs().max().item() < tol * max(1.0, want.abs().max().item())
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 

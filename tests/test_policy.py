@@ -11,7 +11,7 @@ import torch
 from codespec.daemon.engine.engine import GenParams
 from codespec.speculators import policy
 from codespec.speculators.acceptance import PRIOR_FIRST, Acceptance, Count, best_cut, node_keys
-from codespec.speculators.book import Avg, Book, PolicyStore, temperature_class
+from codespec.speculators.book import Avg, Book, PolicyStore, forget, temperature_class
 from codespec.speculators.costs import ForwardCosts, Line
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 from codespec.speculators.ngram import NgramProposer
@@ -177,7 +177,7 @@ def test_expensive_verify_means_plain_steps(engine):
     out, stats = run(engine, prompt, ctl)
     assert out == plain(engine, prompt)
     assert stats.target_forwards == stats.tokens  # the prefill gives the first token
-    assert stats.drafted == {} and set(ctl.choices) == {"plain"}
+    assert stats.drafted == {}  # nothing was worth a forward of two tokens or more
 
 
 def test_a_cheap_proposer_whose_drafts_fail_backs_off_then_recovers():
@@ -341,7 +341,11 @@ def test_proposers_follow_steps_they_did_not_draft(spec_engine, name, monkeypatc
 
 def test_auto_leaves_out_proposers_without_weights(engine, spec_engine):
     """The tiny model has no weights beside it: auto builds n-gram and lookahead and the
-    summary says why EAGLE is missing; beside ``spec_engine``'s model it builds EAGLE too."""
+    summary says why EAGLE is missing; beside ``spec_engine``'s model it builds EAGLE too.
+    (What earlier tests taught the policy on these engines is forgotten first: a proposer
+    they retired would be left out.)"""
+    forget(engine)
+    forget(spec_engine)
     bare = make_proposer("auto", engine, None)
     assert list(bare.children) == ["ngram", "lookahead"]
     store = policy.store_for(engine)
@@ -394,7 +398,8 @@ def test_the_summary_reports_costs_and_speed_vs_plain(engine):
     assert ctl.store is policy.store_for(target) is not policy.store_for(engine)
     run(engine, prompt, ctl, n=30)
     s = policy.summary(target)
-    assert s["forward_ms"]["1"] > 0 and s["steps"] >= ctl.choices["lookahead"]
+    assert s["forward_ms"] and min(s["forward_ms"].values()) > 0  # the verify forwards
+    assert s["steps"] >= ctl.choices["lookahead"]
     greedy = s["classes"]["greedy"]
     assert greedy["plain_step_ms"] > 0 and greedy["vs_plain"]["lookahead"] > 1.0
     assert s["weights"]["lookahead"] == "needs no weights"
