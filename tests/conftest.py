@@ -15,6 +15,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+# As codespec.daemon sets it, before torch loads libgomp: OpenMP waiters sleep, not spin.
+if "GOMP_SPINCOUNT" not in os.environ:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 
