@@ -6,7 +6,8 @@ the model runners; ``codespec bench index`` times the n-gram index;
 ``codespec bench make-workloads`` builds the standard workloads from real code;
 ``codespec bench latency`` times ``complete`` over the daemon's socket;
 ``codespec bench quality`` scores completions at real cursor positions;
-``codespec bench kernels`` times the quantized CPU products.
+``codespec bench kernels`` times the quantized CPU products;
+``codespec bench peers`` runs llama.cpp (plain and ``llama-lookup``) beside them.
 Each prints a table and ends with one JSON line.
 """
 
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "lookahead": "codespec.daemon.bench.lookahead",
     "quality": "codespec.daemon.bench.quality",
     "kernels": "codespec.daemon.bench.kernels",
+    "peers": "codespec.daemon.bench.peers",
 }
 
 
