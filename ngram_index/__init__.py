@@ -1,17 +1,13 @@
 """Token n-gram dictionaries over the user's documents (``codespec.ngram_index``).
 
-Owns: LSP positions and text edits (:mod:`.positions`) and the incremental
-n-gram index with lookup, eviction and persistence (:mod:`.index`). Must not
-touch models, the engine or sockets.
+Owns: LSP positions and text edits (:mod:`.positions`), the incremental n-gram
+index with eviction and persistence (:mod:`.index`), the arrays it keeps
+(:mod:`.segment`) and the longest-suffix lookup with its ranking (:mod:`.lookup`).
+Must not touch models, the engine or sockets.
 """
 
-from codespec.ngram_index.index import (
-    Candidate,
-    NgramIndex,
-    TokenizerMismatch,
-    extend_matches,
-    tokenizer_hash,
-)
+from codespec.ngram_index.index import NgramIndex, TokenizerMismatch, tokenizer_hash
+from codespec.ngram_index.lookup import Candidate, extend_matches
 from codespec.ngram_index.positions import (
     LineIndex,
     PositionError,

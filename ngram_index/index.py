@@ -3,8 +3,8 @@
 Owns: per document the text (with its LSP line table), the token ids of the
 text exactly as ``tokenizer.encode(text)`` gives them, each token's start
 offset, and the n-gram keys; a frozen, sorted index shared by every document
-that is not being edited; longest-suffix lookup with ranked candidates; LRU
-eviction past a token budget; save / load.
+that is not being edited; lookups (ranked by :mod:`.lookup`); LRU eviction past
+a token budget; save / load.
 
 Must not touch: models, the engine, sockets. It knows the tokenizer only as
 ``encode(str) -> ids + offsets``; the daemon decides what is open, what is
@@ -28,26 +28,13 @@ on every edit: still exact, only slower. The property test
 in ``tests/test_ngram_index.py`` checks tokens, offsets and keys against a
 fresh build after every random edit.
 
-N-gram keys and lookup
-----------------------
-``keys[i]`` packs the ``min_n`` tokens ending at ``i`` into one int64 (21 bits
-per id, so ``min_n <= 3`` and ids < 2**21; exact, no collisions), ``-1`` where
-fewer than ``min_n`` tokens precede. Documents not edited since the last
-:meth:`NgramIndex.compact` live in one frozen segment: their ids concatenated
-with a ``-1`` separator and the (key, position) pairs sorted, so a lookup
-over a million tokens is one binary search. A document being edited is
-"loose": its keys are spliced per edit and scanned with numpy at lookup.
-A lookup packs the context's last ``min_n`` tokens, finds every occurrence,
-extends each match backwards up to ``max_n`` tokens (:func:`extend_matches`)
-and reads the up to ``k`` tokens after it.
-
-Ranking (documented choice): candidates from the current document (``uri``)
-come first, then other open documents (most recently touched first), then
-workspace documents (same). Within one tier only the longest match length is
-kept, and occurrences are taken latest position in the file first (the index
-does not know the cursor). Up to 64 occurrences per tier are read; ``count``
-is how many of them continue with exactly the candidate's tokens and
-``score = count / occurrences read`` in that tier.
+Where the arrays live and how a lookup reads them
+-------------------------------------------------
+``keys[i]`` packs the ``min_n`` tokens ending at ``i`` into one int64
+(:mod:`.segment`). Documents not edited since the last :meth:`NgramIndex.compact`
+live in one frozen segment (a sorted key table); a document being edited is "loose":
+its keys are spliced per edit and scanned at lookup. Lookup and ranking (the current
+document, then open documents, then workspace ones) are :mod:`.lookup`'s.
 """
 
 from __future__ import annotations
@@ -56,23 +43,19 @@ import hashlib
 import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import msgpack
 import numpy as np
 
+from codespec.ngram_index.lookup import Candidate, loose_hits, rank, segment_hits
 from codespec.ngram_index.positions import TextDocument
+from codespec.ngram_index.segment import KEY_BITS, MAX_KEY_N, Doc, Segment, gram_keys, pack_key
 
-__all__ = ["Candidate", "NgramIndex", "TokenizerMismatch", "extend_matches", "tokenizer_hash"]
+__all__ = ["NgramIndex", "TokenizerMismatch", "supports_cuts", "tokenizer_hash"]
 
-KEY_BITS = 21  # bits per token id in a packed key
-MAX_KEY_N = 3  # 3 * 21 = 63 bits
-SEP = -1  # separator between documents in the frozen segment; never equals an id
 FORMAT = "codespec-ngram-index/1"
-SOURCES = ("document", "open", "workspace")
-_OCCURRENCES_READ = 64
 
 _NONSPACE = frozenset(chr(c) for c in range(0x21, 0x7F))
 _SPACE = frozenset(" \t\r\n")
@@ -102,112 +85,6 @@ def tokenizer_hash(tokenizer: Any) -> str:
     return hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
 
 
-@dataclass
-class Candidate:
-    """One continuation: ``tokens`` follow an occurrence of the context's last ``n`` tokens."""
-
-    tokens: list[int]
-    score: float
-    count: int
-    n: int
-    source: str  # "document" | "open" | "workspace"
-    uri: str
-
-
-def gram_keys(tokens: np.ndarray, g: int) -> np.ndarray:
-    """``keys[i]``: the ``g`` ids ending at ``i`` packed into an int64, ``-1`` if ``i < g - 1``."""
-    t = tokens.astype(np.int64)  # (N,)
-    keys = np.full(t.shape, -1, dtype=np.int64)  # (N,)
-    if t.shape[0] >= g:
-        k = t[g - 1 :].copy()
-        for j in range(1, g):
-            k |= t[g - 1 - j : t.shape[0] - j] << (KEY_BITS * j)
-        keys[g - 1 :] = k
-    return keys
-
-
-def pack_key(tail: Sequence[int]) -> int:
-    """The key of a ``g``-gram given as its ids, oldest first."""
-    key = 0
-    for j, tok in enumerate(reversed(tail)):
-        key |= int(tok) << (KEY_BITS * j)
-    return key
-
-
-def extend_matches(
-    seq: np.ndarray, ends: np.ndarray, suffix: np.ndarray, n0: int, max_n: int
-) -> np.ndarray:
-    """Length of the match ending at each ``ends[i]`` against the end of ``suffix``.
-
-    Invariant: every ``ends[i]`` is already known to match ``suffix[-n0:]``
-    (``seq[ends[i] - n0 + 1 : ends[i] + 1] == suffix[-n0:]``); the result
-    ``m[i]`` is the largest ``m <= min(max_n, len(suffix))`` with
-    ``seq[ends[i] - m + 1 : ends[i] + 1] == suffix[-m:]``. ``SEP`` entries and
-    the start of ``seq`` stop a match.
-    """
-    lens = np.full(ends.shape[0], n0, dtype=np.int64)  # (H,)
-    active = np.arange(ends.shape[0])  # (A,) hits still matching
-    for j in range(n0, min(max_n, suffix.shape[0])):
-        idx = ends[active] - j
-        ok = idx >= 0
-        ok[ok] = seq[idx[ok]] == suffix[-1 - j]
-        active = active[ok]
-        if active.shape[0] == 0:
-            break
-        lens[active] += 1
-    return lens
-
-
-class _Doc:
-    __slots__ = ("doc", "keys", "kind", "seq", "slot", "starts", "tokens", "uri")
-
-    def __init__(
-        self, uri: str, kind: str, doc: TextDocument, tokens: np.ndarray, starts: np.ndarray
-    ) -> None:
-        self.uri = uri
-        self.kind = kind
-        self.doc = doc
-        self.tokens = tokens  # (N,) int32, a view into the frozen segment when frozen
-        self.starts = starts  # (N,) int32 start offset (code points) of each token
-        self.keys: np.ndarray | None = None  # (N,) int64, kept while loose
-        self.seq = 0  # LRU clock value of the last use
-        self.slot = -1  # index in the frozen segment, -1 when loose
-
-
-class _Segment:
-    """Frozen documents: ids concatenated with ``SEP`` after each, and sorted (key, position)."""
-
-    def __init__(self, docs: list[_Doc], g: int) -> None:
-        self.docs = docs
-        parts: list[np.ndarray] = []
-        kparts: list[np.ndarray] = []
-        sep = np.full(1, SEP, dtype=np.int32)
-        nosep = np.full(1, -1, dtype=np.int64)
-        for d in docs:
-            parts += [d.tokens.astype(np.int32, copy=False), sep]
-            kparts += [d.keys if d.keys is not None else gram_keys(d.tokens, g), nosep]
-        self.cat = np.concatenate(parts) if parts else np.zeros(0, np.int32)  # (T,)
-        keys = np.concatenate(kparts) if kparts else np.zeros(0, np.int64)  # (T,)
-        lengths = np.asarray([d.tokens.shape[0] + 1 for d in docs], dtype=np.int64)
-        self.doc_start = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)  # (D,)
-        order = np.argsort(keys, kind="stable")  # positions ascending within a key
-        order = order[keys[order] >= 0]
-        self.skeys = keys[order]  # (K,) sorted keys
-        self.spos = order.astype(np.int32)  # (K,) their positions in cat
-        self.alive = np.ones(len(docs), dtype=bool)  # (D,)
-        for slot, d in enumerate(docs):
-            start = int(self.doc_start[slot])
-            d.tokens = self.cat[start : start + d.tokens.shape[0]]
-            d.keys = None
-            d.slot = slot
-
-    def live_tokens(self) -> int:
-        return sum(d.tokens.shape[0] for d, a in zip(self.docs, self.alive, strict=True) if a)
-
-    def nbytes(self) -> int:
-        return self.cat.nbytes + self.skeys.nbytes + self.spos.nbytes + self.doc_start.nbytes
-
-
 class NgramIndex:
     """Token n-gram dictionaries over open and workspace documents.
 
@@ -235,8 +112,8 @@ class NgramIndex:
         self.min_n = min_n
         self.max_tokens = max_tokens
         self.loose_docs_limit = loose_docs_limit
-        self._docs: dict[str, _Doc] = {}
-        self._segment = _Segment([], min_n)
+        self._docs: dict[str, Doc] = {}
+        self._segment = Segment([], min_n)
         self._clock = 0
         self._current: str | None = None
         self._tokens = 0
@@ -251,11 +128,11 @@ class NgramIndex:
         starts = np.asarray([o[0] for o in enc.offsets], dtype=np.int32)  # (N,)
         return ids, starts
 
-    def _tick(self, d: _Doc) -> None:
+    def _tick(self, d: Doc) -> None:
         self._clock += 1
         d.seq = self._clock
 
-    def _loosen(self, d: _Doc) -> None:
+    def _loosen(self, d: Doc) -> None:
         """Take ``d`` out of the frozen segment so that it can be edited."""
         if d.slot >= 0:
             self._segment.alive[d.slot] = False
@@ -264,7 +141,7 @@ class NgramIndex:
         if d.keys is None:
             d.keys = gram_keys(d.tokens, self.min_n)
 
-    def _drop(self, d: _Doc) -> None:
+    def _drop(self, d: Doc) -> None:
         if d.slot >= 0:
             self._segment.alive[d.slot] = False
         self._tokens -= d.tokens.shape[0]
@@ -278,7 +155,7 @@ class NgramIndex:
         if old is not None:
             self._drop(old)
         ids, starts = self._encode(text)
-        d = _Doc(uri, kind, TextDocument(text), ids, starts)
+        d = Doc(uri, kind, TextDocument(text), ids, starts)
         d.keys = gram_keys(ids, self.min_n)
         self._docs[uri] = d
         self._tokens += ids.shape[0]
@@ -296,7 +173,7 @@ class NgramIndex:
     def __contains__(self, uri: object) -> bool:
         return uri in self._docs
 
-    def _get(self, uri: str) -> _Doc:
+    def _get(self, uri: str) -> Doc:
         try:
             return self._docs[uri]
         except KeyError:
@@ -338,7 +215,7 @@ class NgramIndex:
             self._splice(d, start, end, len(new))
         self._evict()
 
-    def _splice(self, d: _Doc, start: int, old_end: int, new_len: int) -> None:
+    def _splice(self, d: Doc, start: int, old_end: int, new_len: int) -> None:
         """Re-tokenize around ``[start, start + new_len)`` of the new text and splice."""
         self._loosen(d)
         text = d.doc.text
@@ -407,7 +284,7 @@ class NgramIndex:
             self._loosen(cur)  # while its slot still refers to the old segment
         frozen = [d for d in self._docs.values() if d is not cur]
         frozen.sort(key=lambda d: d.uri)
-        self._segment = _Segment(frozen, self.min_n)
+        self._segment = Segment(frozen, self.min_n)
 
     def _maybe_compact(self) -> None:
         loose = [d for d in self._docs.values() if d.slot < 0 and d.uri != self._current]
@@ -469,91 +346,13 @@ class NgramIndex:
         suffix = np.asarray(context[-max(max_n, g) :], dtype=np.int64)  # (S,)
         key = pack_key(suffix[-g:].tolist())
 
-        def tier_of(d: _Doc) -> int:
+        def tier_of(d: Doc) -> int:
             return 0 if d.uri == uri else (1 if d.kind == "open" else 2)
 
-        best = [0, 0, 0]  # longest match per tier
-        seg = self._segment
-        lo = int(np.searchsorted(seg.skeys, key, side="left"))
-        hi = int(np.searchsorted(seg.skeys, key, side="right"))
-        seg_hits: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
-        if hi > lo:
-            ends = seg.spos[lo:hi].astype(np.int64)  # (H,) positions in seg.cat
-            ends = ends[seg.cat[ends + 1] != SEP]  # an occurrence needs a continuation
-            slots = np.searchsorted(seg.doc_start, ends, side="right") - 1  # (H,)
-            keep = seg.alive[slots]
-            ends, slots = ends[keep], slots[keep]
-            if ends.shape[0]:
-                lens = extend_matches(seg.cat, ends, suffix, g, max_n)  # (H,)
-                tiers = np.asarray([tier_of(d) for d in seg.docs], dtype=np.int64)[slots]
-                for t in range(3):
-                    m = tiers == t
-                    if m.any():
-                        best[t] = max(best[t], int(lens[m].max()))
-                seg_hits = (ends, slots, lens, tiers)
-        loose_hits: list[tuple[int, _Doc, np.ndarray, np.ndarray]] = []
-        for d in self._docs.values():
-            if d.slot >= 0:
-                continue
-            if d.keys is None:
-                d.keys = gram_keys(d.tokens, g)
-            ends = np.flatnonzero(d.keys == key)
-            ends = ends[ends + 1 < d.tokens.shape[0]]
-            if ends.shape[0]:
-                lens = extend_matches(d.tokens, ends, suffix, g, max_n)
-                t = tier_of(d)
-                best[t] = max(best[t], int(lens.max()))
-                loose_hits.append((t, d, ends, lens))
-
-        out: list[Candidate] = []
-        seen: set[tuple[int, ...]] = set()
-        for tier in range(3):
-            if best[tier] < min_n or len(out) >= b:
-                continue
-            n = best[tier]
-            # (doc recency, position, doc, ids): most recently used document first,
-            # latest position first.
-            reads: list[tuple[int, int, _Doc, np.ndarray]] = []
-            if seg_hits is not None:
-                ends, slots, lens, tiers = seg_hits
-                m = (tiers == tier) & (lens == n)
-                e, sl = ends[m], slots[m]
-                seqs = np.asarray([d.seq for d in seg.docs], dtype=np.int64)[sl]
-                order = np.lexsort((-e, -seqs))[:_OCCURRENCES_READ]
-                reads += [(int(seqs[i]), int(e[i]), seg.docs[int(sl[i])], seg.cat) for i in order]
-            for t, d, ends, lens in loose_hits:
-                if t == tier:
-                    sel = ends[lens == n][::-1][:_OCCURRENCES_READ]
-                    reads += [(d.seq, int(p), d, d.tokens) for p in sel]
-            reads.sort(key=lambda r: (-r[0], -r[1]))
-            del reads[_OCCURRENCES_READ:]
-            counts: dict[tuple[int, ...], int] = {}
-            first: dict[tuple[int, ...], _Doc] = {}
-            for _, p, d, arr in reads:
-                cont = arr[p + 1 : p + 1 + k]
-                stop = np.flatnonzero(cont == SEP)
-                if stop.shape[0]:
-                    cont = cont[: stop[0]]
-                tup = tuple(cont.tolist())
-                counts[tup] = counts.get(tup, 0) + 1
-                first.setdefault(tup, d)
-            for cont, count in counts.items():
-                if len(out) >= b:
-                    break
-                if cont in seen:
-                    continue
-                seen.add(cont)
-                out.append(
-                    Candidate(
-                        tokens=list(cont),
-                        score=count / len(reads),
-                        count=count,
-                        n=n,
-                        source=SOURCES[tier],
-                        uri=first[cont].uri,
-                    )
-                )
-        return out
+        loose = [d for d in self._docs.values() if d.slot < 0]
+        hits = loose_hits(loose, key, suffix, g, max_n, tier_of)
+        seg_hits = segment_hits(self._segment, key, suffix, g, max_n, tier_of)
+        return rank([seg_hits, *hits] if seg_hits is not None else hits, k, b, min_n)
 
     # ------------------------------------------------------------- persistence
 
@@ -613,7 +412,7 @@ class NgramIndex:
             starts = np.frombuffer(rec["starts"], dtype="<i4").astype(np.int32)
             if tokens.shape != starts.shape:
                 raise ValueError(f"{path}: document {rec['uri']!r} is corrupt")
-            d = _Doc(rec["uri"], rec["kind"], TextDocument(rec["text"]), tokens, starts)
+            d = Doc(rec["uri"], rec["kind"], TextDocument(rec["text"]), tokens, starts)
             idx._docs[d.uri] = d
             idx._tokens += tokens.shape[0]
             idx._tick(d)

@@ -1,0 +1,199 @@
+"""Longest-suffix lookup over the n-gram index's documents, and the ranking of what it finds.
+
+A lookup packs the context's last ``g`` tokens (the index's key length), finds every
+occurrence of that key (one binary search in the frozen segment, a numpy scan of each
+loose document), extends each match backwards up to ``max_n`` tokens
+(:func:`extend_matches`) and reads the up to ``k`` tokens after it.
+
+Ranking (documented choice): candidates from the current document come first, then other
+open documents (most recently touched first), then workspace documents (same). Within one
+tier only the longest match length is kept, and occurrences are taken latest position in
+the file first (the index does not know the cursor). Up to 64 occurrences per tier are
+read; ``count`` is how many of them continue with exactly the candidate's tokens and
+``score = count / occurrences read`` in that tier.
+
+Pure functions over :mod:`.segment`'s arrays; :meth:`NgramIndex.lookup
+<codespec.ngram_index.index.NgramIndex.lookup>` adapts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from codespec.ngram_index.segment import SEP, Doc, Segment, gram_keys
+
+SOURCES = ("document", "open", "workspace")  # the tiers, best first
+OCCURRENCES_READ = 64  # per tier
+
+# An occurrence to read: (its document's recency, position of the match's last token,
+# the document, the array the position indexes).
+Read = tuple[int, int, Doc, np.ndarray]
+
+
+@dataclass
+class Candidate:
+    """One continuation: ``tokens`` follow an occurrence of the context's last ``n`` tokens."""
+
+    tokens: list[int]
+    score: float
+    count: int
+    n: int
+    source: str  # "document" | "open" | "workspace"
+    uri: str
+
+
+def extend_matches(
+    seq: np.ndarray, ends: np.ndarray, suffix: np.ndarray, n0: int, max_n: int
+) -> np.ndarray:
+    """Length of the match ending at each ``ends[i]`` against the end of ``suffix``.
+
+    Invariant: every ``ends[i]`` is already known to match ``suffix[-n0:]``
+    (``seq[ends[i] - n0 + 1 : ends[i] + 1] == suffix[-n0:]``); the result
+    ``m[i]`` is the largest ``m <= min(max_n, len(suffix))`` with
+    ``seq[ends[i] - m + 1 : ends[i] + 1] == suffix[-m:]``. ``SEP`` entries and
+    the start of ``seq`` stop a match.
+    """
+    lens = np.full(ends.shape[0], n0, dtype=np.int64)  # (H,)
+    active = np.arange(ends.shape[0])  # (A,) hits still matching
+    for j in range(n0, min(max_n, suffix.shape[0])):
+        idx = ends[active] - j
+        ok = idx >= 0
+        ok[ok] = seq[idx[ok]] == suffix[-1 - j]
+        active = active[ok]
+        if active.shape[0] == 0:
+            break
+        lens[active] += 1
+    return lens
+
+
+@dataclass
+class Hits:
+    """Occurrences of one key with a continuation: match ends, match lengths, tiers, and
+    per occurrence its document's slot (segment) or the document itself (loose)."""
+
+    ends: np.ndarray  # (H,) positions of the match's last token
+    lens: np.ndarray  # (H,) match lengths
+    tiers: np.ndarray  # (H,) 0 current document, 1 open, 2 workspace
+    docs: list[Doc]  # one per occurrence's document slot (segment) or [doc] (loose)
+    slots: np.ndarray  # (H,) index into ``docs``
+    seq: np.ndarray  # (H,) the ids ``ends`` index
+
+    @property
+    def one_doc(self) -> Doc | None:
+        """The document of every occurrence when there is one (loose hits), else None."""
+        return self.docs[0] if len(self.docs) == 1 else None
+
+
+def segment_hits(
+    seg: Segment, key: int, suffix: np.ndarray, g: int, max_n: int, tier_of: Callable
+) -> Hits | None:
+    """The live segment documents' occurrences of ``key`` (binary search)."""
+    lo = int(np.searchsorted(seg.skeys, key, side="left"))
+    hi = int(np.searchsorted(seg.skeys, key, side="right"))
+    if hi <= lo:
+        return None
+    ends = seg.spos[lo:hi].astype(np.int64)  # (H,) positions in seg.cat
+    ends = ends[seg.cat[ends + 1] != SEP]  # an occurrence needs a continuation
+    slots = np.searchsorted(seg.doc_start, ends, side="right") - 1  # (H,)
+    keep = seg.alive[slots]
+    ends, slots = ends[keep], slots[keep]
+    if not ends.shape[0]:
+        return None
+    lens = extend_matches(seg.cat, ends, suffix, g, max_n)  # (H,)
+    tiers = np.asarray([tier_of(d) for d in seg.docs], dtype=np.int64)[slots]
+    return Hits(ends, lens, tiers, seg.docs, slots, seg.cat)
+
+
+def loose_hits(
+    docs: Iterable[Doc], key: int, suffix: np.ndarray, g: int, max_n: int, tier_of: Callable
+) -> list[Hits]:
+    """Each loose document's occurrences of ``key`` (a scan of its keys, computed here when
+    the document has none yet)."""
+    out = []
+    for d in docs:
+        if d.keys is None:
+            d.keys = gram_keys(d.tokens, g)
+        ends = np.flatnonzero(d.keys == key)
+        ends = ends[ends + 1 < d.tokens.shape[0]]
+        if ends.shape[0]:
+            lens = extend_matches(d.tokens, ends, suffix, g, max_n)
+            tiers = np.full(ends.shape, tier_of(d), dtype=np.int64)
+            out.append(Hits(ends, lens, tiers, [d], np.zeros(ends.shape, np.int64), d.tokens))
+    return out
+
+
+def longest(hits: list[Hits]) -> list[int]:
+    """The longest match length per tier (0 where a tier has no occurrence)."""
+    best = [0, 0, 0]
+    for h in hits:
+        if h.one_doc is not None:  # one tier
+            t = int(h.tiers[0])
+            best[t] = max(best[t], int(h.lens.max()))
+            continue
+        for t in range(3):
+            m = h.tiers == t
+            if m.any():
+                best[t] = max(best[t], int(h.lens[m].max()))
+    return best
+
+
+def reads_of(hits: list[Hits], tier: int, n: int) -> list[Read]:
+    """The occurrences of ``tier`` with match length ``n`` to read: most recently used
+    document first, latest position first, at most :data:`OCCURRENCES_READ`."""
+    reads: list[Read] = []
+    for h in hits:
+        d = h.one_doc
+        if d is not None:  # ends ascend: latest first is the reverse
+            if h.tiers[0] == tier:
+                sel = h.ends[h.lens == n][::-1][:OCCURRENCES_READ]
+                reads += [(d.seq, int(p), d, h.seq) for p in sel]
+            continue
+        m = (h.tiers == tier) & (h.lens == n)
+        e, sl = h.ends[m], h.slots[m]
+        seqs = np.asarray([d.seq for d in h.docs], dtype=np.int64)[sl]
+        order = np.lexsort((-e, -seqs))[:OCCURRENCES_READ]
+        reads += [(int(seqs[i]), int(e[i]), h.docs[int(sl[i])], h.seq) for i in order]
+    reads.sort(key=lambda r: (-r[0], -r[1]))
+    return reads[:OCCURRENCES_READ]
+
+
+def continuations(reads: list[Read], k: int) -> tuple[dict[tuple[int, ...], int], dict]:
+    """Each distinct continuation of up to ``k`` ids (cut at a document's end) with how
+    many reads give it, and the document of its first read; in first-read order."""
+    counts: dict[tuple[int, ...], int] = {}
+    first: dict[tuple[int, ...], Doc] = {}
+    for _, p, d, arr in reads:
+        cont = arr[p + 1 : p + 1 + k]
+        stop = np.flatnonzero(cont == SEP)
+        if stop.shape[0]:
+            cont = cont[: stop[0]]
+        tup = tuple(cont.tolist())
+        counts[tup] = counts.get(tup, 0) + 1
+        first.setdefault(tup, d)
+    return counts, first
+
+
+def rank(hits: list[Hits], k: int, b: int, min_n: int) -> list[Candidate]:
+    """Up to ``b`` candidates, tier by tier (module docstring); a continuation already
+    offered by a better tier is not repeated."""
+    best = longest(hits)
+    out: list[Candidate] = []
+    seen: set[tuple[int, ...]] = set()
+    for tier in range(3):
+        n = best[tier]
+        if n < min_n or len(out) >= b:
+            continue
+        reads = reads_of(hits, tier, n)
+        counts, first = continuations(reads, k)
+        for cont, count in counts.items():
+            if len(out) >= b:
+                break
+            if cont in seen:
+                continue
+            seen.add(cont)
+            score = count / len(reads)
+            out.append(Candidate(list(cont), score, count, n, SOURCES[tier], first[cont].uri))
+    return out
