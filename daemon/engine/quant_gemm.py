@@ -355,6 +355,37 @@ def _threads(m: int, qm: QuantMatrix, threads: int | None) -> int:
     return max(1, int(threads))
 
 
+def _product(
+    fn: Any,
+    x: torch.Tensor,
+    qm: QuantMatrix,
+    bias: torch.Tensor | None,
+    res: torch.Tensor | None,
+    y: torch.Tensor,
+    threads: int | None,
+    code: int,
+) -> int:
+    """Call the kernel's product ``fn`` (``cs_qgemm`` or ``cs_qgemm_i8``: the same
+    arguments) for ``y = x @ W^T (+ bias) (+ res)`` on path ``code``; its return code."""
+    m = x.shape[0]
+    return fn(
+        qm.ggml_type,
+        x.data_ptr(),
+        m,
+        qm.k,
+        x.stride(0),
+        qm.panels.data_ptr(),
+        qm.n,
+        y.data_ptr(),
+        y.stride(0),
+        None if bias is None else bias.data_ptr(),
+        None if res is None else res.data_ptr(),
+        0 if res is None else res.stride(0),
+        _threads(m, qm, threads),
+        code,
+    )
+
+
 def linear(
     x: torch.Tensor,
     qm: QuantMatrix,
@@ -373,27 +404,10 @@ def linear(
     """
     lib = _required()
     x, bias, res = _check(x, qm, bias, res)
-    m = x.shape[0]
-    y = _output(out, m, qm.n)  # (M, N)
-    if m == 0:
-        return y
-    rc = lib.cs_qgemm(
-        qm.ggml_type,
-        x.data_ptr(),
-        m,
-        qm.k,
-        x.stride(0),
-        qm.panels.data_ptr(),
-        qm.n,
-        y.data_ptr(),
-        y.stride(0),
-        None if bias is None else bias.data_ptr(),
-        None if res is None else res.data_ptr(),
-        0 if res is None else res.stride(0),
-        _threads(m, qm, threads),
-        ISAS[isa or default_isa()],
-    )
-    if rc != 0:
+    y = _output(out, x.shape[0], qm.n)  # (M, N)
+    if x.shape[0] and _product(
+        lib.cs_qgemm, x, qm, bias, res, y, threads, ISAS[isa or default_isa()]
+    ):
         raise RuntimeError(f"the quantized kernel refused a {qm.qtype} product (isa {isa})")
     return y
 
@@ -437,27 +451,8 @@ def linear_i8(
     chosen = isa or i8_isa()
     if chosen not in _I8_CODES:
         raise ValueError(f"linear_i8: isa must be one of {', '.join(_I8_CODES)}, got {chosen}")
-    m = x.shape[0]
-    y = _output(out, m, qm.n)  # (M, N)
-    if m == 0:
-        return y
-    rc = lib.cs_qgemm_i8(
-        qm.ggml_type,
-        x.data_ptr(),
-        m,
-        qm.k,
-        x.stride(0),
-        qm.panels.data_ptr(),
-        qm.n,
-        y.data_ptr(),
-        y.stride(0),
-        None if bias is None else bias.data_ptr(),
-        None if res is None else res.data_ptr(),
-        0 if res is None else res.stride(0),
-        _threads(m, qm, threads),
-        _I8_CODES[chosen],
-    )
-    if rc != 0:
+    y = _output(out, x.shape[0], qm.n)  # (M, N)
+    if x.shape[0] and _product(lib.cs_qgemm_i8, x, qm, bias, res, y, threads, _I8_CODES[chosen]):
         raise RuntimeError(f"linear_i8: the kernel refused a {qm.qtype} product on {chosen}")
     return y
 
