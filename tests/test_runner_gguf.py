@@ -266,6 +266,19 @@ def test_model_folder_loads_from_the_blocks(tmp_path: Path) -> None:
     assert from_model_folder(tmp_path / "src", 64) is None  # no manifest
 
 
+def test_the_folder_weights_can_be_asked_for(tmp_path: Path, monkeypatch) -> None:
+    """``CODESPEC_GGUF_PRODUCTS=fp16``: the folder's 16-bit weights as panels instead of the
+    GGUF's blocks (the caller loads the folder); ``int8``: the blocks with int8 products."""
+    from codespec.daemon.engine import models
+
+    folder = models.import_gguf(_write(tmp_path / "src" / "q.gguf", "Q8_0"), tmp_path / "c")
+    monkeypatch.setenv("CODESPEC_GGUF_PRODUCTS", "fp16")
+    assert from_model_folder(folder, 64) is None
+    monkeypatch.setenv("CODESPEC_GGUF_PRODUCTS", "int8")
+    got = from_model_folder(folder, 64)
+    assert got is not None and got[0].gguf and got[0].int8
+
+
 def test_fast_tokenizer_answers_as_autotokenizer(tmp_path: Path) -> None:
     """The daemon's tokenizer without transformers: vocabulary, specials, decode and the
     chat template render as AutoTokenizer's do (a tokenizer the model cache wrote)."""

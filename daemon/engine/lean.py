@@ -428,11 +428,15 @@ def from_model_folder(
     names it; ``models``), run from its blocks on the CPU; None when the folder has no
     GGUF or the runner cannot run it as it is (the caller loads the folder instead).
     Reads ``config.json`` as plain JSON: no ``transformers`` import. ``int8``: default
-    ``$CODESPEC_GGUF_PRODUCTS == "int8"`` (else the exact products)."""
+    ``$CODESPEC_GGUF_PRODUCTS == "int8"`` (else the exact products; ``fp16``: None, the
+    folder's 16-bit weights as panels instead)."""
     from codespec.daemon.engine import models
 
+    products = os.environ.get("CODESPEC_GGUF_PRODUCTS", "exact").strip().lower()
+    if products == "fp16":
+        return None
     if int8 is None:
-        int8 = os.environ.get("CODESPEC_GGUF_PRODUCTS", "exact").strip().lower() == "int8"
+        int8 = products == "int8"
     folder = Path(folder)
     manifest = models.read_manifest(folder)
     path = models.CachedModel(folder, manifest).gguf if manifest else None
