@@ -4,6 +4,7 @@ the ``gguf`` library can quantize."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +21,9 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<file_sep>"]
 
 def bpe_tokens(vocab: int = 400) -> tuple[list[str], list[str]]:
     """``(tokens, merges)`` of a byte-level BPE trained on :data:`CORPUS`, specials first."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from codespec.daemon.training.train_data import train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    import json
-
+    tok = train_tokenizer(CORPUS * 20, vocab, specials=SPECIALS)
     model = json.loads(tok.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]

@@ -311,16 +311,10 @@ def test_a_full_replacement_reindexes_the_whole_document(tok: Any) -> None:
 def tokenizer_without_cuts() -> Any:
     """A byte-level BPE without the pre-tokenizer's regex: its merges cross spaces and
     line ends, so no offset is a token boundary whatever the text around it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from codespec.daemon.training.train_data import train_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator([(STDLIB / "textwrap.py").read_text()[:40_000]], trainer=trainer)
-    return tok
+    text = (STDLIB / "textwrap.py").read_text()[:40_000]
+    return train_tokenizer([text], 600, specials=(), use_regex=False)
 
 
 def _edit_without_cuts(incremental: bool, steps: int = 120) -> list[bool]:

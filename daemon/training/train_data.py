@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,16 +81,23 @@ def read_texts(paths: list[Path], max_bytes: int = 400_000) -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE with the FIM special tokens at ids 0..4."""
+def train_tokenizer(
+    texts: list[str],
+    vocab_size: int,
+    specials: Sequence[str] = SPECIAL_TOKENS,
+    use_regex: bool = True,
+):
+    """Byte-level BPE with ``specials`` first (by default the FIM special tokens at ids
+    0..4). ``use_regex=False`` drops the GPT-2 pre-tokenizer regex: merges then cross
+    spaces and line ends."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
