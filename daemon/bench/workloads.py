@@ -36,6 +36,7 @@ import sys
 import sysconfig
 import tarfile
 from pathlib import Path
+from typing import Any
 
 CACHE = Path.home() / ".cache" / "codespec" / "bench"
 DEFAULT_PACKAGES = "requests:2.31.0:2.32.3,click:8.1.3:8.1.7"
@@ -102,51 +103,94 @@ def package_files(root: Path, name: str) -> dict[str, str]:
     return out
 
 
-def completion_items(files: dict[str, str], tag: str, rng: random.Random, count: int) -> list[dict]:
-    items = []
+def _shuffled(files: dict[str, str], rng: random.Random) -> list[str]:
     names = sorted(files)
     rng.shuffle(names)
+    return names
+
+
+def _cursor_item(
+    files: dict[str, str],
+    names: list[str],
+    tag: str,
+    rel: str,
+    cursor_line: int,
+    last: int,
+    **fields: Any,
+) -> dict:
+    """An item with the cursor at the start of line ``cursor_line`` (1-based) of ``rel`` and
+    the lines from there to ``last`` still to write (``expected``): the file without them is
+    open, with the first 24 other files of ``names``. ``fields`` start the item (``id``,
+    ``kind``) and follow ``expected`` (``max_tokens``, ...)."""
+    lines = files[rel].splitlines(keepends=True)
+    prefix = "".join(lines[: cursor_line - 1])
+    suffix = "".join(lines[last:])
+    uri = f"file:///{tag}/{rel}"
+    others = [{"uri": f"file:///{tag}/{o}", "text": files[o]} for o in names if o != rel]
+    head = {k: fields.pop(k) for k in ("id", "kind")}
+    return {
+        **head,
+        "prefix": prefix,
+        "suffix": suffix,
+        "expected": "".join(lines[cursor_line - 1 : last]),
+        **fields,
+        "uri": uri,
+        "documents": [{"uri": uri, "text": prefix + suffix}, *others[:24]],
+    }
+
+
+def completion_items(files: dict[str, str], tag: str, rng: random.Random, count: int) -> list[dict]:
+    """The cursor at the start of a body line, at least one body line typed already: the
+    rest of the body is to be written."""
+    items = []
+    names = _shuffled(files, rng)
     for rel in names:
         text = files[rel]
-        lines = text.splitlines(keepends=True)
         funcs = [f for f in functions(text) if f[2] - f[1] >= 6]
         if not funcs:
             continue
         _, first, last = rng.choice(funcs)
-        # cursor at the start of a body line, at least one body line typed already
         cursor_line = rng.randrange(first + 2, last)  # 1-based line the cursor stands on
-        if not lines[cursor_line - 1].strip():
+        if not text.splitlines()[cursor_line - 1].strip():
             continue
-        prefix = "".join(lines[: cursor_line - 1])
-        suffix = "".join(lines[last:])
-        uri = f"file:///{tag}/{rel}"
-        others = [{"uri": f"file:///{tag}/{o}", "text": files[o]} for o in names if o != rel][:24]
+        item_id = f"{tag}/{rel}:{cursor_line}"
         items.append(
-            {
-                "id": f"{tag}/{rel}:{cursor_line}",
-                "kind": "completion",
-                "prefix": prefix,
-                "suffix": suffix,
-                "expected": "".join(lines[cursor_line - 1 : last]),  # the body not typed yet
-                "max_tokens": 64,
-                "uri": uri,
-                "documents": [{"uri": uri, "text": prefix + suffix}, *others],
-            }
+            _cursor_item(
+                files,
+                names,
+                tag,
+                rel,
+                cursor_line,
+                last,
+                id=item_id,
+                kind="completion",
+                max_tokens=64,
+            )
         )
         if len(items) >= count:
             break
     return items
 
 
+def _body_start(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
+    """The 1-based line a function's body starts on, past its docstring (None when the
+    docstring is all there is)."""
+    body = node.body
+    doc = isinstance(body[0], ast.Expr) and isinstance(
+        getattr(body[0], "value", None), ast.Constant
+    )
+    if doc and len(body) < 2:
+        return None
+    return (body[1] if doc else body[0]).lineno
+
+
 def function_items(files: dict[str, str], tag: str, rng: random.Random, count: int) -> list[dict]:
     """The cursor right after a function's ``def`` line (and docstring, if any): the
     whole body is to be written; ``expected`` is the real one."""
     items = []
-    names = sorted(files)
-    rng.shuffle(names)
+    names = _shuffled(files, rng)
     for rel in names:
         text = files[rel]
-        lines = text.splitlines(keepends=True)
         try:
             tree = ast.parse(text)
         except SyntaxError:
@@ -161,32 +205,24 @@ def function_items(files: dict[str, str], tag: str, rng: random.Random, count: i
         if not defs:
             continue
         node = rng.choice(defs)
-        body = node.body
-        doc = isinstance(body[0], ast.Expr) and isinstance(
-            getattr(body[0], "value", None), ast.Constant
-        )
-        if doc and len(body) < 2:
+        cursor_line = _body_start(node)
+        if cursor_line is None:
             continue
-        first_body = body[1] if doc else body[0]
-        cursor_line = first_body.lineno  # 1-based: the body starts on this line
-        last = node.end_lineno or node.lineno
-        uri = f"file:///{tag}/{rel}"
-        others = [{"uri": f"file:///{tag}/{o}", "text": files[o]} for o in names if o != rel][:24]
+        header = "".join(text.splitlines(keepends=True)[node.lineno - 1 : cursor_line - 1])
+        item_id = f"{tag}/{rel}:{node.name}"
         items.append(
-            {
-                "id": f"{tag}/{rel}:{node.name}",
-                "kind": "function",
-                "prefix": "".join(lines[: cursor_line - 1]),
-                "suffix": "".join(lines[last:]),
-                "expected": "".join(lines[cursor_line - 1 : last]),
-                "header": "".join(lines[node.lineno - 1 : cursor_line - 1]),
-                "max_tokens": 128,
-                "uri": uri,
-                "documents": [
-                    {"uri": uri, "text": "".join(lines[: cursor_line - 1] + lines[last:])},
-                    *others,
-                ],
-            }
+            _cursor_item(
+                files,
+                names,
+                tag,
+                rel,
+                cursor_line,
+                node.end_lineno or node.lineno,
+                id=item_id,
+                kind="function",
+                header=header,
+                max_tokens=128,
+            )
         )
         if len(items) >= count:
             break
