@@ -237,19 +237,27 @@ def assert_cache_rebuilt(prop, sim, head, emb, context):
     return base
 
 
-def test_head_cache_stays_in_step_with_partial_accepts(target):
-    """After steps that accept 0, some or all draft tokens, the head's cache equals a
-    cache rebuilt from scratch over the accepted tokens (the target's real states)."""
+def _prefilled(target, window: int, seed: int, prompt: int):
+    """A chain EAGLE proposer (depth 4) over a fresh head, prefilled on ``prompt`` random
+    tokens through a :class:`_Sim`; the context ends with the first sampled token (the
+    root). Returns (head, embedding, proposer, sim, rng, context)."""
     head = make_head(target)
     emb = target.get_input_embeddings().weight
     rt = EagleRuntime(HeadRunner(head, emb, 256), head_dir("."))
-    prop = EagleProposer(rt, depth=4, topk=1, window=16)
+    prop = EagleProposer(rt, depth=4, topk=1, window=window)
     sim = _Sim(target, prop.taps)
-    rng = random.Random(3)
-    context = [rng.randrange(VOCAB) for _ in range(20)]
+    rng = random.Random(seed)
+    context = [rng.randrange(VOCAB) for _ in range(prompt)]
     prop.begin(None)
     prop.prefilled(sim.prefill(context))
     context.append(rng.randrange(VOCAB))  # the first sampled token: the root
+    return head, emb, prop, sim, rng, context
+
+
+def test_head_cache_stays_in_step_with_partial_accepts(target):
+    """After steps that accept 0, some or all draft tokens, the head's cache equals a
+    cache rebuilt from scratch over the accepted tokens (the target's real states)."""
+    head, emb, prop, sim, rng, context = _prefilled(target, window=16, seed=3, prompt=20)
     for step in range(8):
         draft = prop.propose(context, budget=4)
         assert draft is not None and draft.is_chain and len(draft) == 4
@@ -264,16 +272,7 @@ def test_head_cache_stays_in_step_with_partial_accepts(target):
 def test_head_cache_stays_in_step_through_steps_others_drafted(target):
     """Steps another proposer drafted (``follow``) and plain ones, between its own: the
     head's cache still equals one rebuilt from scratch, and a budget caps the draft."""
-    head = make_head(target)
-    emb = target.get_input_embeddings().weight
-    rt = EagleRuntime(HeadRunner(head, emb, 256), head_dir("."))
-    prop = EagleProposer(rt, depth=4, topk=1, window=64)
-    sim = _Sim(target, prop.taps)
-    rng = random.Random(5)
-    context = [rng.randrange(VOCAB) for _ in range(12)]
-    prop.begin(None)
-    prop.prefilled(sim.prefill(context))
-    context.append(rng.randrange(VOCAB))
+    head, emb, prop, sim, rng, context = _prefilled(target, window=64, seed=5, prompt=12)
     for step in range(9):
         bonus = rng.randrange(VOCAB)
         if step % 3 == 0:  # its own step, budget 2: a chain of 2
