@@ -35,6 +35,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,73 +104,68 @@ def package_files(root: Path, name: str) -> dict[str, str]:
     return out
 
 
-def _shuffled(files: dict[str, str], rng: random.Random) -> list[str]:
+Spot = tuple[int, int, dict[str, Any]]  # (cursor line, last line to write, item fields)
+
+
+def _items(
+    files: dict[str, str],
+    tag: str,
+    rng: random.Random,
+    count: int,
+    spot: Callable[[str], Spot | None],
+) -> list[dict]:
+    """Up to ``count`` items, one per file at most, files in a shuffled order: ``spot(rel)``
+    picks the cursor in file ``rel`` (None: none there) and the item is built around it:
+    ``prefix``, ``suffix``, ``expected`` (the lines from the cursor's to the last one to
+    write), the file without them open with the first 24 other files, and the spot's
+    fields (``id`` and ``kind`` first, the rest after ``expected``)."""
+    items = []
     names = sorted(files)
     rng.shuffle(names)
-    return names
-
-
-def _cursor_item(
-    files: dict[str, str],
-    names: list[str],
-    tag: str,
-    rel: str,
-    cursor_line: int,
-    last: int,
-    **fields: Any,
-) -> dict:
-    """An item with the cursor at the start of line ``cursor_line`` (1-based) of ``rel`` and
-    the lines from there to ``last`` still to write (``expected``): the file without them is
-    open, with the first 24 other files of ``names``. ``fields`` start the item (``id``,
-    ``kind``) and follow ``expected`` (``max_tokens``, ...)."""
-    lines = files[rel].splitlines(keepends=True)
-    prefix = "".join(lines[: cursor_line - 1])
-    suffix = "".join(lines[last:])
-    uri = f"file:///{tag}/{rel}"
-    others = [{"uri": f"file:///{tag}/{o}", "text": files[o]} for o in names if o != rel]
-    head = {k: fields.pop(k) for k in ("id", "kind")}
-    return {
-        **head,
-        "prefix": prefix,
-        "suffix": suffix,
-        "expected": "".join(lines[cursor_line - 1 : last]),
-        **fields,
-        "uri": uri,
-        "documents": [{"uri": uri, "text": prefix + suffix}, *others[:24]],
-    }
+    for rel in names:
+        found = spot(rel)
+        if found is None:
+            continue
+        cursor_line, last, fields = found
+        lines = files[rel].splitlines(keepends=True)
+        prefix = "".join(lines[: cursor_line - 1])
+        suffix = "".join(lines[last:])
+        uri = f"file:///{tag}/{rel}"
+        others = [{"uri": f"file:///{tag}/{o}", "text": files[o]} for o in names if o != rel]
+        head = {k: fields.pop(k) for k in ("id", "kind")}
+        items.append(
+            {
+                **head,
+                "prefix": prefix,
+                "suffix": suffix,
+                "expected": "".join(lines[cursor_line - 1 : last]),
+                **fields,
+                "uri": uri,
+                "documents": [{"uri": uri, "text": prefix + suffix}, *others[:24]],
+            }
+        )
+        if len(items) >= count:
+            break
+    return items
 
 
 def completion_items(files: dict[str, str], tag: str, rng: random.Random, count: int) -> list[dict]:
     """The cursor at the start of a body line, at least one body line typed already: the
     rest of the body is to be written."""
-    items = []
-    names = _shuffled(files, rng)
-    for rel in names:
+
+    def spot(rel: str) -> Spot | None:
         text = files[rel]
         funcs = [f for f in functions(text) if f[2] - f[1] >= 6]
         if not funcs:
-            continue
+            return None
         _, first, last = rng.choice(funcs)
         cursor_line = rng.randrange(first + 2, last)  # 1-based line the cursor stands on
         if not text.splitlines()[cursor_line - 1].strip():
-            continue
-        item_id = f"{tag}/{rel}:{cursor_line}"
-        items.append(
-            _cursor_item(
-                files,
-                names,
-                tag,
-                rel,
-                cursor_line,
-                last,
-                id=item_id,
-                kind="completion",
-                max_tokens=64,
-            )
-        )
-        if len(items) >= count:
-            break
-    return items
+            return None
+        fields = {"id": f"{tag}/{rel}:{cursor_line}", "kind": "completion", "max_tokens": 64}
+        return cursor_line, last, fields
+
+    return _items(files, tag, rng, count, spot)
 
 
 def _body_start(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
@@ -187,14 +183,13 @@ def _body_start(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
 def function_items(files: dict[str, str], tag: str, rng: random.Random, count: int) -> list[dict]:
     """The cursor right after a function's ``def`` line (and docstring, if any): the
     whole body is to be written; ``expected`` is the real one."""
-    items = []
-    names = _shuffled(files, rng)
-    for rel in names:
+
+    def spot(rel: str) -> Spot | None:
         text = files[rel]
         try:
             tree = ast.parse(text)
         except SyntaxError:
-            continue
+            return None
         defs = [
             n
             for n in ast.walk(tree)
@@ -203,30 +198,16 @@ def function_items(files: dict[str, str], tag: str, rng: random.Random, count: i
             and 3 <= (n.end_lineno or n.lineno) - n.lineno <= 30
         ]
         if not defs:
-            continue
+            return None
         node = rng.choice(defs)
         cursor_line = _body_start(node)
         if cursor_line is None:
-            continue
+            return None
         header = "".join(text.splitlines(keepends=True)[node.lineno - 1 : cursor_line - 1])
-        item_id = f"{tag}/{rel}:{node.name}"
-        items.append(
-            _cursor_item(
-                files,
-                names,
-                tag,
-                rel,
-                cursor_line,
-                node.end_lineno or node.lineno,
-                id=item_id,
-                kind="function",
-                header=header,
-                max_tokens=128,
-            )
-        )
-        if len(items) >= count:
-            break
-    return items
+        fields = {"id": f"{tag}/{rel}:{node.name}", "kind": "function", "header": header}
+        return cursor_line, node.end_lineno or node.lineno, {**fields, "max_tokens": 128}
+
+    return _items(files, tag, rng, count, spot)
 
 
 def edit_items(old: dict[str, str], new: dict[str, str], tag: str, min_same: float) -> list[dict]:
