@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from codespec.daemon.engine import cpu_gemm
+from codespec.daemon.engine import cpu_gemm, native
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +27,7 @@ def _should_build() -> bool:
     return (
         platform.machine().lower() in ("x86_64", "amd64")
         and {"avx2", "fma"} <= cpu_gemm._cpu_flags()
-        and cpu_gemm._compiler() is not None
+        and native.compiler() is not None
         and os.environ.get("CODESPEC_CPU_KERNELS", "1") != "0"
     )
 
@@ -160,7 +160,11 @@ def test_a_fresh_cache_builds_once_and_reuses(tmp_path) -> None:
     mtime = built[0].stat().st_mtime_ns
     env["PATH"] = str(tmp_path / "empty-bin")  # no compiler on PATH now: the cached build serves
     env["CXX"] = ""
-    no_compiler = code.replace("sys.exit(", "assert cpu_gemm._compiler() is None; sys.exit(", 1)
+    no_compiler = code.replace(
+        "import sys; ",
+        "import sys; from codespec.daemon.engine import native; assert native.compiler() is None; ",
+        1,
+    )
     subprocess.run([sys.executable, "-c", no_compiler], env=env, check=True)
     assert list((tmp_path / "codespec" / "kernels").glob("gemm-*.so")) == built
     assert built[0].stat().st_mtime_ns == mtime

@@ -25,7 +25,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from codespec.daemon.engine import cpu_gemm, quant_gemm  # noqa: E402
+from codespec.daemon.engine import cpu_gemm, native, quant_gemm  # noqa: E402
 from codespec.daemon.engine.quant_gemm import QuantMatrix  # noqa: E402
 
 TYPES = list(quant_gemm.QTYPES)
@@ -95,7 +95,7 @@ def assert_close(
 
 
 def test_builds_where_a_compiler_exists() -> None:
-    if cpu_gemm._compiler() is None:
+    if native.compiler() is None:
         pytest.skip("no C++ compiler")
     assert quant_gemm.library() is not None, quant_gemm.unavailable_reason()
     assert quant_gemm.library().cs_q_version() == 1

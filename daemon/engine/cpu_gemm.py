@@ -4,8 +4,8 @@ Three kernels: :func:`mm` (products of a few rows with packed weights), :func:`a
 (a decode step's grouped-query attention over the KV cache, reading it once) and
 :func:`rms_norm` (torch's costs ~20 µs of dispatch per call for one row here).
 
-Owns building that kernel (once per machine, with the system C++ compiler, into
-:func:`kernel_dir`), loading it with ``ctypes``, the packed weight layout it
+Owns when that kernel is built (once per machine, with the system C++ compiler, into
+:func:`.native.kernel_dir`; :mod:`.native` builds and loads it), the packed weight layout it
 reads, and the calls the lean runner and the EAGLE head make (:func:`linear`,
 :func:`norm`, :func:`attention`). It must not know anything about models:
 callers hand it plain tensors.
@@ -32,20 +32,15 @@ failed build, ``CODESPEC_CPU_KERNELS=0``) :func:`library` returns ``None``,
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from codespec.daemon.config import default_state_dir
+from codespec.daemon.engine.native import NativeLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "gemm.cpp"
 PANEL = 16  # output columns per packed panel (two AVX2 vectors)
@@ -60,10 +55,6 @@ THREADED_ROWS = 8
 # against 1.81 with 2^21 (only the LM head split), a 4-token forward 2.03 against 2.28.
 THREADED_WEIGHTS = 1 << 16
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None
-_loaded = False
 _products: dict[torch.dtype, Callable[..., None]] = {}  # panel dtype -> the kernel's product
 
 
@@ -78,68 +69,20 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        found = shutil.which(name) if name else None
-        if found:
-            return found
+def _precheck() -> str | None:
+    """Why the kernel must not be built here (switched off, not x86-64 with AVX2, FMA and
+    F16C), or None."""
+    if os.environ.get("CODESPEC_CPU_KERNELS", "1") == "0":
+        return "switched off by CODESPEC_CPU_KERNELS=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernel is x86-64 only (this is {platform.machine()})"
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
     return None
 
 
-def kernel_dir() -> Path:
-    """``$CODESPEC_KERNEL_DIR``, else ``<state dir>/kernels`` (under ``$XDG_CACHE_HOME``)."""
-    env = os.environ.get("CODESPEC_KERNEL_DIR")
-    return Path(env) if env else default_state_dir() / "kernels"
-
-
-def _target(out_dir: Path) -> Path:
-    """Where the build of this source with these flags lives (one file per version)."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return out_dir / f"gemm-{key}.so"
-
-
-def _build(cxx: str, target: Path) -> None:
-    """Compile the kernel to ``target`` (written whole or not at all)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
-        os.replace(tmp, target)  # atomic: concurrent builders both end with a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _load() -> None:
-    global _lib, _reason, _loaded, _products
-    _loaded = True
-    if os.environ.get("CODESPEC_CPU_KERNELS", "1") == "0":
-        _reason = "switched off by CODESPEC_CPU_KERNELS=0"
-        return
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        _reason = f"the kernel is x86-64 only (this is {platform.machine()})"
-        return
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
-    if missing:
-        _reason = f"this CPU lacks {', '.join(sorted(missing))}"
-        return
-    target = _target(kernel_dir())
-    try:
-        if not target.exists():
-            cxx = _compiler()
-            if cxx is None:
-                _reason = "no C++ compiler to build it with (g++, c++ or clang++; or set CXX)"
-                return
-            _build(cxx, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _reason = f"building or loading the kernel failed: {e}"
-        return
+def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cs_gemm.restype = None
     lib.cs_gemm.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
@@ -152,18 +95,22 @@ def _load() -> None:
     lib.cs_attention.argtypes += [ctypes.c_float, ptr, ptr]
     lib.cs_rmsnorm.restype = None
     lib.cs_rmsnorm.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_float, ptr, i64]
-    _products = {torch.float32: lib.cs_gemm, torch.float16: lib.cs_gemm_h}
-    _products[torch.bfloat16] = lib.cs_gemm_b
-    _lib = lib
+    _products.update(
+        {torch.float32: lib.cs_gemm, torch.float16: lib.cs_gemm_h, torch.bfloat16: lib.cs_gemm_b}
+    )
+
+
+_KERNEL = NativeLibrary("gemm", [SOURCE], FLAGS, _declare, timeout=120, precheck=_precheck)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; ``None`` when it cannot be used."""
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                _load()
-    return _lib
+    return _KERNEL.library()
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`library` is ``None`` (``None`` when the kernel is loaded)."""
+    return _KERNEL.unavailable_reason()
 
 
 def _required() -> ctypes.CDLL:
@@ -171,12 +118,6 @@ def _required() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
     return lib
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`library` is ``None`` (``None`` when the kernel is loaded)."""
-    library()
-    return _reason
 
 
 PANEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -18,7 +18,7 @@ Dispatch: the best ISA this CPU has, AVX-512 (F/BW/VL/DQ), else AVX2+FMA+F16C, e
 plain C++ (also what a non-x86 machine runs). ``CODESPEC_QGEMM_ISA=scalar|avx2|avx512``
 forces one (a name this CPU lacks is an error, not a silent fallback); so does the
 ``isa`` argument of :func:`linear`. The library is built once with the system compiler
-into :func:`codespec.daemon.engine.cpu_gemm.kernel_dir`, without ``-march``: each ISA's code
+into :func:`codespec.daemon.engine.native.kernel_dir`, without ``-march``: each ISA's code
 carries its own target attributes (``#pragma GCC target``: g++ builds it, clang++ does
 not).
 
@@ -34,11 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,12 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from codespec.daemon.engine.cpu_gemm import (
-    THREADED_ROWS,
-    THREADED_WEIGHTS,
-    _compiler,
-    kernel_dir,
-)
+from codespec.daemon.engine.cpu_gemm import THREADED_ROWS, THREADED_WEIGHTS
+from codespec.daemon.engine.native import NativeLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
 # Built into the same library: the lean runner's decoder stack (``qstack``), which calls
@@ -74,53 +66,8 @@ BLOCKS = {
     "Q6_K": (256, 210),
 }
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_reason: str | None = None
-_loaded = False
 
-
-def _target(out_dir: Path) -> Path:
-    text = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return out_dir / f"qgemm-{key}.so"
-
-
-def _build(cxx: str, target: Path) -> None:
-    """Compile the kernel to ``target`` (written whole or not at all)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [cxx, *FLAGS, *map(str, SOURCES), "-o", tmp],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _load() -> None:
-    global _lib, _reason, _loaded
-    _loaded = True
-    target = _target(kernel_dir())
-    try:
-        if not target.exists():
-            cxx = _compiler()
-            if cxx is None:
-                _reason = "no C++ compiler to build it with (g++, c++ or clang++; or set CXX)"
-                return
-            _build(cxx, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _reason = f"building or loading the kernel failed: {e}"
-        return
+def _declare(lib: ctypes.CDLL) -> None:
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     for name, res, args in (
         ("cs_q_version", i32, []),
@@ -143,28 +90,25 @@ def _load() -> None:
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
-    _lib = lib
+
+
+_KERNEL = NativeLibrary("qgemm", SOURCES, FLAGS, _declare, headers=HEADERS, timeout=300)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel, built on first use; ``None`` when it cannot be built."""
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                _load()
-    return _lib
+    return _KERNEL.library()
 
 
 def unavailable_reason() -> str | None:
     """Why :func:`library` is ``None`` (``None`` when the kernel is loaded)."""
-    library()
-    return _reason
+    return _KERNEL.unavailable_reason()
 
 
 def _required() -> ctypes.CDLL:
     lib = library()
     if lib is None:
-        raise RuntimeError(f"the quantized CPU kernel is unavailable: {_reason}")
+        raise RuntimeError(f"the quantized CPU kernel is unavailable: {unavailable_reason()}")
     return lib
 
 

@@ -1,0 +1,125 @@
+"""Building and loading the engine's C++ libraries (the CPU kernels of :mod:`.cpu_gemm` and
+:mod:`.quant_gemm`): compiled once per machine with the system C++ compiler, loaded with
+``ctypes``, or a one-line reason why not.
+
+Owns: where builds live (:func:`kernel_dir`; one file per library, named by a hash of its
+sources and flags, so an edited source is built anew and an old build is never loaded),
+finding a compiler, the build (written whole or not at all: concurrent builders both end
+with a whole file) and the lazy, thread-safe first load. What a library declares (its
+functions' ctypes signatures) and when it should not be built at all are its module's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from codespec.daemon.config import default_state_dir
+
+
+def compiler() -> str | None:
+    """``$CXX``, else the first of g++, c++, clang++ on the PATH; None when there is none."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    return None
+
+
+def kernel_dir() -> Path:
+    """``$CODESPEC_KERNEL_DIR``, else ``<state dir>/kernels`` (under ``$XDG_CACHE_HOME``)."""
+    env = os.environ.get("CODESPEC_KERNEL_DIR")
+    return Path(env) if env else default_state_dir() / "kernels"
+
+
+class NativeLibrary:
+    """One C++ library: ``sources`` (plus ``headers`` they include) compiled with ``flags``
+    into ``<kernel_dir>/<stem>-<hash>.so`` on first use.
+
+    ``precheck()`` may give a reason not to build here at all (a switch, the wrong CPU);
+    ``declare(lib)`` sets the loaded library's signatures.
+    """
+
+    def __init__(
+        self,
+        stem: str,
+        sources: Sequence[Path],
+        flags: Sequence[str],
+        declare: Callable[[ctypes.CDLL], None],
+        *,
+        headers: Sequence[Path] = (),
+        timeout: float = 120,
+        precheck: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.stem, self.sources, self.headers = stem, tuple(sources), tuple(headers)
+        self.flags, self.declare, self.timeout, self.precheck = (
+            list(flags),
+            declare,
+            timeout,
+            precheck,
+        )
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._reason: str | None = None
+        self._loaded = False
+
+    def target(self, out_dir: Path) -> Path:
+        """Where the build of these sources with these flags lives (one file per version)."""
+        text = b"".join(p.read_bytes() for p in (*self.sources, *self.headers))
+        key = hashlib.sha256(text + " ".join(self.flags).encode()).hexdigest()[:16]
+        return out_dir / f"{self.stem}-{key}.so"
+
+    def build(self, cxx: str, target: Path) -> None:
+        """Compile the library to ``target`` (written whole or not at all)."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            cmd = [cxx, *self.flags, *map(str, self.sources), "-o", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
+            os.replace(tmp, target)  # atomic: concurrent builders both end with a whole file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _load(self) -> str | None:
+        """Build if needed and load; the reason it cannot be used, or None."""
+        reason = self.precheck()
+        if reason:
+            return reason
+        target = self.target(kernel_dir())
+        try:
+            if not target.exists():
+                cxx = compiler()
+                if cxx is None:
+                    return "no C++ compiler to build it with (g++, c++ or clang++; or set CXX)"
+                self.build(cxx, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            return f"building or loading the kernel failed: {e}"
+        self.declare(lib)
+        self._lib = lib
+        return None
+
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded library, built on first use; ``None`` when it cannot be used."""
+        if not self._loaded:
+            with self._lock:
+                if not self._loaded:
+                    self._reason = self._load()
+                    self._loaded = True
+        return self._lib
+
+    def unavailable_reason(self) -> str | None:
+        """Why :meth:`library` is ``None`` (``None`` when the library is loaded)."""
+        self.library()
+        return self._reason
