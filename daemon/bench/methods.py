@@ -232,7 +232,7 @@ def open_engine(args: argparse.Namespace) -> Any:
     return engine
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="codespec bench", description=__doc__.splitlines()[0])
     p.add_argument(
         "workload", nargs="+", help="JSONL workloads (see `codespec bench make-workloads`)"
@@ -259,17 +259,60 @@ def main(argv: list[str] | None = None) -> int:
         "by design, and the HF peers, greedy only, are left out)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt n uses seed + n)")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_methods(text: str, peers: tuple[str, ...] = PEERS) -> tuple[list[str], list[str]]:
+    """The methods a comma-separated list names, ``off`` first (added when absent), and the
+    names that are neither a proposer (``NAME@K``: at most K draft tokens a forward) nor
+    one of ``peers``."""
     from codespec.speculators.registry import names
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    # "NAME@K" runs proposer NAME with at most K draft tokens per forward
-    bad = [m for m in methods if m.partition("@")[0] not in names() and m not in PEERS]
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m.partition("@")[0] not in names() and m not in peers]
+    if "off" not in methods:
+        methods.insert(0, "off")
+    return methods, bad
+
+
+def run_method(
+    engine, method: str, item: dict[str, Any], prepared: tuple, index, args, seed: int
+) -> Run:
+    """One of our methods (``NAME@K``) on one workload item, prepared by
+    :func:`build_prompt`; the item's document becomes the index's current one."""
+    prompt, max_tokens, draft_ids, heal = prepared
+    if index is not None and item.get("uri") in index:
+        index.touch(item["uri"])
+    name, _, cap = method.partition("@")
+    max_draft = int(cap) if cap else args.max_draft
+    return run_engine(
+        engine, name, prompt, max_tokens, index, item.get("uri"), draft_ids, max_draft,
+        args.temperature, seed, heal,
+    )  # fmt: skip
+
+
+def _accumulate(aggs: dict[tuple[str, str], Agg], kinds: set[str], runs: dict[str, Run]) -> None:
+    """Add one prompt's runs to the sums of each of ``kinds`` (``all`` and the item's)."""
+    off = runs["off"]
+    for kind in kinds:
+        for m, r in runs.items():
+            a = aggs.setdefault((kind, m), Agg())
+            a.prompts += 1
+            a.tokens += r.tokens
+            a.forwards += r.forwards
+            a.ms += r.ms
+            a.off_ms += off.ms
+            a.decode_ms += r.ms - r.first_ms
+            a.off_decode_ms += off.ms - off.first_ms
+            a.equal += int(r.ids == off.ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    methods, bad = parse_methods(args.methods)
     if bad:
         print(f"codespec bench: unknown methods {bad}", file=sys.stderr)
         return 2
-    if "off" not in methods:
-        methods.insert(0, "off")
     if args.temperature > 0:
         methods = [m for m in methods if m not in PEERS]
     loaded = [load_workload(path) for path in args.workload]
@@ -281,34 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     peer = HFPeer(engine) if any(m in PEERS for m in methods) else None
     # one index per workload: a workload's open documents are not another one's
     indexes = [_build_index(engine, wl) for wl in loaded]
-
     prompts = [
         build_prompt(engine, item, args.max_tokens, args.prediction, args.context) for item in items
     ]
 
     def one(method: str, n: int) -> Run:
-        item = items[n]
-        prompt, max_tokens, draft_ids, heal = prompts[n]
-        if method in PEERS:
-            assert peer is not None
-            return peer.run(prompt, max_tokens, args.lookup if method == "hf-pld" else None)
-        index = indexes[which[n]]
-        if index is not None and item.get("uri") in index:
-            index.touch(item["uri"])
-        name, _, cap = method.partition("@")
-        return run_engine(
-            engine,
-            name,
-            prompt,
-            max_tokens,
-            index,
-            item.get("uri"),
-            draft_ids,
-            int(cap) if cap else args.max_draft,
-            args.temperature,
-            args.seed + n,
-            heal,
-        )
+        if method not in PEERS:
+            index = indexes[which[n]]
+            return run_method(engine, method, items[n], prompts[n], index, args, args.seed + n)
+        assert peer is not None
+        prompt, max_tokens = prompts[n][:2]
+        return peer.run(prompt, max_tokens, args.lookup if method == "hf-pld" else None)
 
     for m in methods:  # warm-up: first prompt, every method, not timed
         one(m, 0)
@@ -318,23 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     for n, item in enumerate(items):
         order = methods[n % len(methods) :] + methods[: n % len(methods)]
         runs = {m: one(m, n) for m in order}
-        off = runs["off"]
         if "new" in item:
-            produced = engine.decode(off.ids)
+            produced = engine.decode(runs["off"].ids)
             matches_new += int(produced.rstrip() == item["new"].rstrip())
             edits += 1
         kinds = {"all", item.get("kind", "prompt")} if len(items_kinds) > 1 else {"all"}
-        for kind in kinds:
-            for m, r in runs.items():
-                a = aggs.setdefault((kind, m), Agg())
-                a.prompts += 1
-                a.tokens += r.tokens
-                a.forwards += r.forwards
-                a.ms += r.ms
-                a.off_ms += off.ms
-                a.decode_ms += r.ms - r.first_ms
-                a.off_decode_ms += off.ms - off.first_ms
-                a.equal += int(r.ids == off.ids)
+        _accumulate(aggs, kinds, runs)
         print(
             f"  [{n + 1}/{len(items)}] {item.get('id', n)}: "
             + "  ".join(f"{m} {r.ms:.0f}ms/{r.forwards}f" for m, r in runs.items()),
