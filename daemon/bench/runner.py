@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from codespec.daemon.engine import gguf_weights, models
-from codespec.daemon.engine.lean import LeanRunner, kv_bytes, param_bytes
+from codespec.daemon.engine.footprint import kv_bytes, param_bytes
+from codespec.daemon.engine.lean import LeanRunner
 
 RUNNERS = ("gguf", "gguf-i8", "fp16", "torch-int8", "torch-int4")
 

@@ -468,37 +468,4 @@ def _layer_spec(layer: Any) -> dict[str, Any]:
     }
 
 
-def flat_weights(obj: Any) -> list[Any]:
-    if isinstance(obj, dict):
-        return [w for v in obj.values() for w in flat_weights(v)]
-    if isinstance(obj, list | tuple):
-        return [w for v in obj for w in flat_weights(v)]
-    return [] if obj is None else [obj]
-
-
-def param_bytes(runner: LeanRunner) -> int:
-    """Bytes of weights one forward reads (the tied embedding counted once, as the LM head;
-    GGUF blocks as stored)."""
-    seen: set[int] = set()
-    total = 0
-    for t in flat_weights([runner.lm_head_t, runner.norm, runner.layers]):
-        if isinstance(t, torch.Tensor):
-            ptr, size = t.data_ptr(), t.numel() * t.element_size()
-        else:  # a QuantMatrix, or any matrix object that knows its bytes
-            ptr, size = id(t), int(t.nbytes)
-        if ptr not in seen:
-            seen.add(ptr)
-            total += size
-    return total
-
-
-def kv_bytes(runner: LeanRunner, tokens: int) -> int:
-    """Bytes of K and V that attention reads over ``tokens`` cached positions."""
-    if runner.stack is not None:  # fp16 K tiles and V rows of Dp
-        d = runner.head_dim + qstack.head_dim_padded(runner.head_dim)
-        return runner.num_layers * runner.n_kv * d * 2 * tokens
-    per_token = runner.num_layers * 2 * runner.n_kv * runner.head_dim * runner.kv.element_size()
-    return per_token * tokens
-
-
-__all__ = ["LeanRunner", "from_model_folder", "kv_bytes", "param_bytes", "supports"]
+__all__ = ["LeanRunner", "from_model_folder", "supports"]

@@ -20,7 +20,7 @@ import torch
 
 from codespec.daemon.engine import cpu_gemm, quant_gemm
 from codespec.daemon.engine.engine import GenParams
-from codespec.daemon.engine.lean import flat_weights
+from codespec.daemon.engine.footprint import flat_weights
 from codespec.daemon.prompts import completion
 from codespec.daemon.service import protocol as proto
 from codespec.daemon.service.connection import Connection, Handler, Waiting, cancelled_frame
