@@ -316,15 +316,7 @@ class Engine(ModelTarget):
             proposer.begin(info or RequestInfo(prompt, temperature=params.temperature,
                                                max_tokens=max_tokens))  # fmt: skip
         taps: tuple[int, ...] = tuple(getattr(proposer, "taps", ()) or ())
-        stats = Stats(prompt_tokens=len(prompt))
-        logits, stats.cached_tokens = self.prefill(prompt, taps)
-        if proposer is not None and taps and hasattr(proposer, "prefilled"):
-            proposer.prefilled(self.prompt_hidden(len(prompt)))
-        mask = params.constraint([]) if params.constraint is not None else None
-        if mask is not None:  # healing: the first token regrows the backed-off text
-            logits = logits.masked_fill(~mask, float("-inf"))
-        _, first = verify(None, logits, params.temperature, params.top_p, gen)
-        stats.target_forwards = 1
+        first, stats = self._first(prompt, params, proposer, taps, gen)
         stats.prefill_ms = (time.perf_counter() - t0) * 1000
         out: list[int] = []
         new, accepted_n, drafted_n = [first], 0, 0
@@ -355,6 +347,27 @@ class Engine(ModelTarget):
                 proposer.observe(StepResult(draft, v.accepted, v.bonus, list(new), logits=v.logits,
                                             hidden=v.hidden, forward_ms=v.forward_ms,
                                             forward_tokens=v.forward_tokens))  # fmt: skip
+
+    def _first(
+        self,
+        prompt: list[int],
+        params: GenParams,
+        proposer: Proposer | None,
+        taps: tuple[int, ...],
+        gen: torch.Generator | None,
+    ) -> tuple[int, Stats]:
+        """Prefill ``prompt`` (its hidden states to a proposer that reads them) and sample
+        the first token from the prefill's logits; the request's stats so far."""
+        stats = Stats(prompt_tokens=len(prompt))
+        logits, stats.cached_tokens = self.prefill(prompt, taps)
+        if proposer is not None and taps and hasattr(proposer, "prefilled"):
+            proposer.prefilled(self.prompt_hidden(len(prompt)))
+        mask = params.constraint([]) if params.constraint is not None else None
+        if mask is not None:  # healing: the first token regrows the backed-off text
+            logits = logits.masked_fill(~mask, float("-inf"))
+        _, first = verify(None, logits, params.temperature, params.top_p, gen)
+        stats.target_forwards = 1
+        return first, stats
 
     def _cut(self, new: list[int], out: list[int], max_tokens: int) -> tuple[list[int], str]:
         """Append a step's tokens to ``out`` in order until a stop token (``stop``) or
