@@ -358,13 +358,7 @@ def edit_prompt(
         copy = "\n" + copy
     note = comment_line(language, instruction) if instruction else ""
     if mode == "fim":
-        prefix_ids = engine.encode(before + copy + note)
-        suffix_ids = engine.encode(after)
-        room = budget - 3
-        suf_room = min(len(suffix_ids), SUFFIX_TOKENS, room // 4)
-        pre = _window_prefix(prefix_ids, room - suf_room)
-        ids = fim_prompt(engine.fim, pre, suffix_ids[:suf_room], budget)
-        return EditPrompt(ids, "fim", draft_ids)
+        return _fim_edit(engine, before + copy + note, after, draft_ids, budget)
     first, nl, _ = draft.partition("\n")
     lead = first + nl if nl else first[: len(first) - len(first.lstrip())]
     ids = _window_prefix(engine.encode(before + copy + note + lead), budget)
@@ -372,6 +366,20 @@ def edit_prompt(
     region = region_shape(draft) if draft.strip() else None
     # the answer is lead + what the model writes after the healed text
     return EditPrompt(ids, "continue", draft_ids, lead, heal, _next_lines("\n" + after), region)
+
+
+def _fim_edit(
+    engine: Any, prefix: str, after: str, draft_ids: list[int], budget: int
+) -> EditPrompt:
+    """A FIM edit prompt: ``prefix`` (the text before the region, the draft, the
+    instruction) and the text after the region, within ``budget`` tokens."""
+    prefix_ids = engine.encode(prefix)
+    suffix_ids = engine.encode(after)
+    room = budget - 3
+    suf_room = min(len(suffix_ids), SUFFIX_TOKENS, room // 4)
+    pre = _window_prefix(prefix_ids, room - suf_room)
+    ids = fim_prompt(engine.fim, pre, suffix_ids[:suf_room], budget)
+    return EditPrompt(ids, "fim", draft_ids)
 
 
 def _chat_edit(
