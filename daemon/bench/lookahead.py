@@ -101,75 +101,26 @@ def run_one(
     return decode_once(engine, prompt, GenParams(max_tokens=max_tokens), proposer, info)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="codespec bench lookahead", description=__doc__.splitlines()[0]
-    )
-    p.add_argument("workload", nargs="?", default="/tmp/wl/novel.jsonl")
-    p.add_argument(
-        "--grid",
-        default=DEFAULT_GRID,
-        help='configurations "W,N,G;W,N,G,all;...": window, n-gram, guesses (all: no policy)',
-    )
-    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
-    p.add_argument("--max-draft", type=int, default=16, help="draft tokens verified per forward")
-    p.add_argument("--context", type=int, default=1024, help="prompt tokens at most")
-    add_engine_args(p, threads=1)
-    args = p.parse_args(argv)
-    try:
-        grid = parse_grid(args.grid)
-    except ValueError as exc:
-        print(f"codespec bench lookahead: bad --grid: {exc}", file=sys.stderr)
-        return 2
+def _accumulate(accs: dict[str, Acc], runs: dict[str, tuple[list[int], Any, float]]) -> None:
+    """Add one prompt's runs (ids, stats, wall ms per configuration) to the sums."""
+    off_ids, _, off_ms = runs["off"]
+    for name, (ids, stats, ms) in runs.items():
+        a = accs[name]
+        a.prompts += 1
+        a.tokens += stats.tokens
+        a.forwards += stats.target_forwards
+        a.ms += ms
+        a.off_ms += off_ms
+        a.equal += int(ids == off_ids)
+        drafted = sum(stats.drafted.values())
+        a.nodes += drafted
+        for src, c in stats.accepted.items():
+            a.accepted[src] = a.accepted.get(src, 0) + c
+        a.drafted_steps += stats.decode_steps if drafted else 0
 
-    from codespec.daemon.bench.methods import build_prompt, load_workload
-    from codespec.speculators.lookahead import LookaheadProposer, store_for
-    from codespec.speculators.policy import Controller
 
-    engine = open_engine(args)
-    items = load_workload(args.workload)
-    if args.limit:
-        items = items[: args.limit]
-    prompts = [build_prompt(engine, it, args.max_tokens, "none", args.context) for it in items]
-    names = ["off", *grid]
-
-    def proposer(name: str) -> Any:
-        if name == "off":
-            return None
-        # the engine's pools, which decode_once empties before every timed decode
-        prop = LookaheadProposer(store=store_for(engine), **config(name))
-        return prop if name.endswith(",all") else Controller(engine, {"lookahead": prop})
-
-    def one(name: str, k: int) -> tuple[list[int], Any, float]:
-        prompt, max_tokens, _, _ = prompts[k]
-        return run_one(engine, prompt, max_tokens, proposer(name), items[k].get("uri"))
-
-    for name in names:  # warm-up, not timed
-        one(name, 0)
-    accs = {name: Acc() for name in names}
-    for k, item in enumerate(items):
-        order = names[k % len(names) :] + names[: k % len(names)]
-        runs = {name: one(name, k) for name in order}
-        off_ids, _, off_ms = runs["off"]
-        for name, (ids, stats, ms) in runs.items():
-            a = accs[name]
-            a.prompts += 1
-            a.tokens += stats.tokens
-            a.forwards += stats.target_forwards
-            a.ms += ms
-            a.off_ms += off_ms
-            a.equal += int(ids == off_ids)
-            drafted = sum(stats.drafted.values())
-            a.nodes += drafted
-            for src, c in stats.accepted.items():
-                a.accepted[src] = a.accepted.get(src, 0) + c
-            a.drafted_steps += stats.decode_steps if drafted else 0
-        print(
-            f"  [{k + 1}/{len(items)}] {item.get('id', k)}: "
-            + "  ".join(f"{m} {r[2]:.0f}ms/{r[1].target_forwards}f" for m, r in runs.items()),
-            file=sys.stderr,
-        )
-
+def _report(accs: dict[str, Acc], names: list[str], engine: Any, args: argparse.Namespace) -> None:
+    """The table, then one JSON line."""
     head = f"{'W,N,G[,all]':<12}{'prompts':>8}{'tokens':>8}{'forwards':>9}{'tok/fwd':>9}"
     head += f"{'acc/step':>9}{'pool %':>8}{'nodes':>7}{'wall ms':>10}{'vs off':>8}{'= off':>8}"
     print(
@@ -221,6 +172,65 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="codespec bench lookahead", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("workload", nargs="?", default="/tmp/wl/novel.jsonl")
+    p.add_argument(
+        "--grid",
+        default=DEFAULT_GRID,
+        help='configurations "W,N,G;W,N,G,all;...": window, n-gram, guesses (all: no policy)',
+    )
+    p.add_argument("--limit", type=int, default=0, help="use only the first N prompts")
+    p.add_argument("--max-draft", type=int, default=16, help="draft tokens verified per forward")
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens at most")
+    add_engine_args(p, threads=1)
+    args = p.parse_args(argv)
+    try:
+        grid = parse_grid(args.grid)
+    except ValueError as exc:
+        print(f"codespec bench lookahead: bad --grid: {exc}", file=sys.stderr)
+        return 2
+
+    from codespec.daemon.bench.methods import build_prompt, load_workload
+    from codespec.speculators.lookahead import LookaheadProposer, store_for
+    from codespec.speculators.policy import Controller
+
+    engine = open_engine(args)
+    items = load_workload(args.workload)
+    if args.limit:
+        items = items[: args.limit]
+    prompts = [build_prompt(engine, it, args.max_tokens, "none", args.context) for it in items]
+    names = ["off", *grid]
+
+    def proposer(name: str) -> Any:
+        if name == "off":
+            return None
+        # the engine's pools, which decode_once empties before every timed decode
+        prop = LookaheadProposer(store=store_for(engine), **config(name))
+        return prop if name.endswith(",all") else Controller(engine, {"lookahead": prop})
+
+    def one(name: str, k: int) -> tuple[list[int], Any, float]:
+        prompt, max_tokens, _, _ = prompts[k]
+        return run_one(engine, prompt, max_tokens, proposer(name), items[k].get("uri"))
+
+    for name in names:  # warm-up, not timed
+        one(name, 0)
+    accs = {name: Acc() for name in names}
+    for k, item in enumerate(items):
+        order = names[k % len(names) :] + names[: k % len(names)]
+        runs = {name: one(name, k) for name in order}
+        _accumulate(accs, runs)
+        print(
+            f"  [{k + 1}/{len(items)}] {item.get('id', k)}: "
+            + "  ".join(f"{m} {r[2]:.0f}ms/{r[1].target_forwards}f" for m, r in runs.items()),
+            file=sys.stderr,
+        )
+
+    _report(accs, names, engine, args)
     return 0
 
 
