@@ -42,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -74,6 +75,24 @@ class Acc:
     equal: int = 0
     steps: list[tuple[int, int, int]] = field(default_factory=list)  # (depth, nodes, accepted)
     plain_steps: int = 0  # decode steps without a draft
+
+    def add(self, run: tuple[list[int], Any, float, Any], off: tuple) -> None:
+        """One prompt's run (ids, stats, wall ms, the EAGLE proposer or None) against off's."""
+        ids, stats, ms, prop = run
+        off_ids, _, off_ms, _ = off
+        self.prompts += 1
+        self.tokens += stats.tokens
+        self.forwards += stats.target_forwards
+        self.decode_steps += stats.decode_steps
+        self.accepted += sum(stats.accepted.values())
+        self.ms += ms
+        self.off_ms += off_ms
+        self.equal += int(ids == off_ids)
+        if prop is not None:
+            self.steps += prop.history
+            self.plain_steps += stats.decode_steps - len(prop.history)
+        else:
+            self.plain_steps += stats.decode_steps
 
     def per_position(self, depth: int) -> list[float]:
         reach, hit = [0] * depth, [0] * depth
@@ -153,6 +172,43 @@ def project(acc: Acc, verify: dict[int, float], head_ms: float) -> dict[str, flo
     return out
 
 
+def _run_workload(
+    engine: Any,
+    path: str,
+    methods: list[str],
+    proposer: Callable[[str], tuple[Any, Any]],
+    aggs: dict[tuple[str, str], Acc],
+    args: argparse.Namespace,
+) -> list[int]:
+    """Every method on the workload's prompts (alternating order, a warm-up first), summed
+    into ``aggs`` under the workload's name; the prompts' lengths."""
+    from codespec.daemon.bench.methods import build_prompt, load_workload
+
+    items = load_workload(path)
+    if args.limit:
+        items = items[: args.limit]
+    kind = Path(path).stem
+    # build_prompt's first two values: the prompt ids and max_tokens
+    prompts = [tuple(build_prompt(engine, it, args.max_tokens)[:2]) for it in items]
+    for m in methods:  # warm-up, not timed
+        run_one(engine, prompts[0][0], 8, None if m == "off" else proposer(m)[0])
+    for n, (prompt, max_tokens) in enumerate(prompts):
+        order = methods[n % len(methods) :] + methods[: n % len(methods)]
+        runs = {}
+        for m in order:
+            drive, prop = (None, None) if m == "off" else proposer(m)
+            ids, stats, ms = run_one(engine, prompt, max_tokens, drive)
+            runs[m] = (ids, stats, ms, prop)
+        for m in methods:
+            aggs.setdefault((kind, m), Acc()).add(runs[m], runs["off"])
+        print(
+            f"  [{kind} {n + 1}/{len(prompts)}] "
+            + "  ".join(f"{m} {r[2]:.0f}ms/{r[1].target_forwards}f" for m, r in runs.items()),
+            file=sys.stderr,
+        )
+    return [len(pr) for pr, _ in prompts]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec bench eagle", description=__doc__.splitlines()[0])
     p.add_argument("workloads", nargs="*", default=list(DEFAULT_WORKLOADS))
@@ -171,7 +227,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"codespec bench eagle: unknown variants {bad}", file=sys.stderr)
         return 2
 
-    from codespec.daemon.bench.methods import build_prompt, load_workload
     from codespec.speculators.eagle import EagleProposer, NoEagleHead, load_runtime
     from codespec.speculators.policy import Controller
 
@@ -197,44 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     aggs: dict[tuple[str, str], Acc] = {}
     lengths: list[int] = []
     for path in args.workloads:
-        items = load_workload(path)
-        if args.limit:
-            items = items[: args.limit]
-        kind = Path(path).stem
-        # build_prompt's first two values: the prompt ids and max_tokens
-        prompts = [tuple(build_prompt(engine, it, args.max_tokens)[:2]) for it in items]
-        lengths += [len(pr) for pr, _ in prompts]
-        for m in methods:  # warm-up, not timed
-            run_one(engine, prompts[0][0], 8, None if m == "off" else proposer(m)[0])
-        for n, (prompt, max_tokens) in enumerate(prompts):
-            order = methods[n % len(methods) :] + methods[: n % len(methods)]
-            runs = {}
-            for m in order:
-                drive, prop = (None, None) if m == "off" else proposer(m)
-                ids, stats, ms = run_one(engine, prompt, max_tokens, drive)
-                runs[m] = (ids, stats, ms, prop)
-            off_ids, _, off_ms, _ = runs["off"]
-            for m in methods:
-                ids, stats, ms, prop = runs[m]
-                a = aggs.setdefault((kind, m), Acc())
-                a.prompts += 1
-                a.tokens += stats.tokens
-                a.forwards += stats.target_forwards
-                a.decode_steps += stats.decode_steps
-                a.accepted += sum(stats.accepted.values())
-                a.ms += ms
-                a.off_ms += off_ms
-                a.equal += int(ids == off_ids)
-                if prop is not None:
-                    a.steps += prop.history
-                    a.plain_steps += stats.decode_steps - len(prop.history)
-                else:
-                    a.plain_steps += stats.decode_steps
-            print(
-                f"  [{kind} {n + 1}/{len(prompts)}] "
-                + "  ".join(f"{m} {r[2]:.0f}ms/{r[1].target_forwards}f" for m, r in runs.items()),
-                file=sys.stderr,
-            )
+        lengths += _run_workload(engine, path, methods, proposer, aggs, args)
 
     context = int(statistics.median(lengths)) if lengths else 256
     sizes = sorted({0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16} | {args.depth, args.nodes})
@@ -286,22 +304,8 @@ def print_report(aggs, costs, engine, runtime, args, context: int) -> None:
             row["per_position_acceptance"] = [None if p != p else round(p, 4) for p in pos]
             row["projected_speedup"] = project(a, costs["verify_ms"], costs["head_ms"])
         rows.append(row)
+    _print_costs(costs, rows, args.reps, context)
     verify = costs["verify_ms"]
-    print(
-        f"\ncosts at {context} cached tokens (median of {args.reps}): head forward "
-        f"{costs['head_ms']:.2f} ms = {costs['head_ms'] / verify[0]:.3f} of a target decode "
-        f"forward; target verify ms by draft size: "
-        + "  ".join(f"{n}:{ms:.2f}" for n, ms in verify.items())
-    )
-    print("projected speedup vs off from the measured acceptance:")
-    print(f"  {'workload':<11}{'method':<7}{'cpu model':>10}{'head=1/30':>11}{'+flat verify':>14}")
-    for row in rows:
-        if "projected_speedup" in row:
-            pr = row["projected_speedup"]
-            print(
-                f"  {row['workload']:<11}{row['method']:<7}{pr['cpu_model']:>9.2f}x"
-                f"{pr['head_1_30']:>10.2f}x{pr['head_1_30_flat_verify']:>13.2f}x"
-            )
     print(
         json.dumps(
             {
@@ -318,6 +322,26 @@ def print_report(aggs, costs, engine, runtime, args, context: int) -> None:
             }
         )
     )
+
+
+def _print_costs(costs: dict[str, Any], rows: list[dict], reps: int, context: int) -> None:
+    """The measured costs and, per EAGLE row, the speedup they project."""
+    verify = costs["verify_ms"]
+    print(
+        f"\ncosts at {context} cached tokens (median of {reps}): head forward "
+        f"{costs['head_ms']:.2f} ms = {costs['head_ms'] / verify[0]:.3f} of a target decode "
+        f"forward; target verify ms by draft size: "
+        + "  ".join(f"{n}:{ms:.2f}" for n, ms in verify.items())
+    )
+    print("projected speedup vs off from the measured acceptance:")
+    print(f"  {'workload':<11}{'method':<7}{'cpu model':>10}{'head=1/30':>11}{'+flat verify':>14}")
+    for row in rows:
+        if "projected_speedup" in row:
+            pr = row["projected_speedup"]
+            print(
+                f"  {row['workload']:<11}{row['method']:<7}{pr['cpu_model']:>9.2f}x"
+                f"{pr['head_1_30']:>10.2f}x{pr['head_1_30_flat_verify']:>13.2f}x"
+            )
 
 
 if __name__ == "__main__":
