@@ -147,24 +147,36 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n, item in enumerate(items):
             for v in variants:  # variants alternate per item, so drift hits them alike
-                r = rows[v]
-                if item["kind"] == "completion":
-                    got = first_line(runner.complete(item, v, multiline=False))
-                    want = first_line(item["expected"])
-                    r["completion"] += 1
-                    r["exact"] += int(got == want)
-                    r["similarity"] += similarity(got, want)
-                    multi = runner.complete(item, v, multiline=True)
-                else:
-                    multi = block(item, runner.complete(item, v, multiline=True))
-                    r["function"] += 1
-                    r["parses"] += int(parses(item["header"], multi))
-                r["multi"] += 1
-                r["loops"] += int(loops(multi))
-                r["cut"] += int(runner.last_cut)
+                _score(runner, item, v, rows[v])
             print(f"  [{n + 1}/{len(items)}] {item['id']}", flush=True, file=sys.stderr)
     finally:
         runner.close()
+    _report(rows, engine, args)
+    return 0
+
+
+def _score(runner: Runner, item: dict[str, Any], variant: str, r: dict[str, Any]) -> None:
+    """Complete ``item`` with context ``variant`` and add what the completion scores to
+    ``r``: a line item's first line against the expected one, then (both kinds) the
+    multi-line completion's loops and cuts; a function item's body, whether it parses."""
+    if item["kind"] == "completion":
+        got = first_line(runner.complete(item, variant, multiline=False))
+        want = first_line(item["expected"])
+        r["completion"] += 1
+        r["exact"] += int(got == want)
+        r["similarity"] += similarity(got, want)
+        multi = runner.complete(item, variant, multiline=True)
+    else:
+        multi = block(item, runner.complete(item, variant, multiline=True))
+        r["function"] += 1
+        r["parses"] += int(parses(item["header"], multi))
+    r["multi"] += 1
+    r["loops"] += int(loops(multi))
+    r["cut"] += int(runner.last_cut)
+
+
+def _report(rows: dict[str, dict[str, Any]], engine: Any, args: argparse.Namespace) -> None:
+    """The table, then one JSON line."""
     print(
         f"codespec bench quality ({date.today()}, model {engine.model_name}, "
         f"{engine.runner.name} runner, {args.threads} threads)"
@@ -197,4 +209,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     summary = {"bench": "quality", "date": str(date.today()), "model": engine.model_name}
     print(json.dumps({**summary, "rows": out}))
-    return 0
