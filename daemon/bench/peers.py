@@ -523,9 +523,9 @@ def run_llama_plain(llama: LlamaCpp, args, gguf: Path, prompt_file: Path, prompt
     runs = int(perf["eval_runs"])
     return Timed(
         runs,
-        perf["eval_ms"] / 1000,
+        max(1e-9, perf["eval_ms"] / 1000),
         int(perf["prompt_tokens"]),
-        perf["prompt_ms"] / 1000,
+        max(1e-9, perf["prompt_ms"] / 1000),
         runs + 1,
         _generated(stdout),
     )
@@ -546,9 +546,9 @@ def run_llama_lookup(llama: LlamaCpp, args, gguf: Path, prompt_file: Path, promp
     n = int(lk["decoded_tokens"])
     return Timed(
         max(0, n - 1),
-        lk["decoded_s"],
+        max(1e-9, lk["decoded_s"]),
         int(lk["encoded_tokens"]),
-        lk["encoded_s"],
+        max(1e-9, lk["encoded_s"]),
         n,
         _generated(stdout, prompt),
         drafted=int(lk.get("n_drafted", 0)),
@@ -723,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                 llama = llama_cpp(rebuild=args.rebuild)
             except PeerUnavailable as exc:
                 skipped = str(exc)
-    if skipped:
-        print(skip_line(skipped), flush=True)
+    if skipped:  # now on stderr (the bench runs for minutes), in the table at the end
+        print(skip_line(skipped), file=sys.stderr, flush=True)
 
     engine = open_engine(args)
     stop_ids = engine.stop_ids
@@ -764,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
             return runners[name](n)
         except LlamaFailed as exc:
             failed[name] = str(exc)
-            print(skip_line(str(exc)), flush=True)
+            print(skip_line(str(exc)), file=sys.stderr, flush=True)
             return None
 
     try:
