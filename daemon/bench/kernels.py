@@ -81,6 +81,41 @@ def _copies(make: Callable[[], Any], nbytes: int, cold_mb: float) -> list[Any]:
     return [make() for _ in range(count)]
 
 
+def _torch_int8(w: torch.Tensor, cold_mb: float) -> Method:
+    """torch's weight-only int8 product: ``w`` (n, k) rounded per output channel."""
+    n, k = w.shape
+    scale8 = w.abs().amax(dim=1).clamp_min(1e-8) / 127  # (n,)
+    w8 = torch.round(w / scale8[:, None]).clamp(-127, 127).to(torch.int8)  # (n, k)
+    bytes8 = n * k + 4 * n
+    return Method(
+        "torch-int8",
+        _copies(lambda: (w8.clone(), scale8.clone()), bytes8, cold_mb),
+        bytes8,
+        lambda x, c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]),
+    )
+
+
+def _torch_int4(w: torch.Tensor, cold_mb: float) -> Method:
+    """torch's weight-only int4 product: ``w`` (n, k) in groups of 32 along k,
+    ``w = (q - 8) * scale + zero``."""
+    n, k = w.shape
+    g = 32
+    wg = w.reshape(n, k // g, g)
+    lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # (n, k / g)
+    scale4 = ((hi - lo) / 15).clamp_min(1e-8)
+    q4 = torch.round((wg - lo[..., None]) / scale4[..., None]).clamp(0, 15).to(torch.int32)
+    zero4 = lo + 8 * scale4
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.reshape(n, k), 2)
+    sz = torch.stack([scale4.T, zero4.T], dim=-1).contiguous()  # (k / g, n, 2)
+    bytes4 = packed.numel() + sz.numel() * 4
+    return Method(
+        "torch-int4",
+        _copies(lambda: (packed.clone(), sz.clone()), bytes4, cold_mb),
+        bytes4,
+        lambda x, c: torch.ops.aten._weight_int4pack_mm_for_cpu(x, c[0], g, c[1]),
+    )
+
+
 def methods_for(
     k: int, n: int, qtype: str, threads: int, cold_mb: float, rng: np.random.Generator
 ) -> tuple[list[Method], torch.Tensor]:
@@ -123,36 +158,7 @@ def methods_for(
                 lambda x, p: cpu_gemm.mm(x, p, threads=threads),
             )
         )
-    # int8 per output channel
-    scale8 = w.abs().amax(dim=1).clamp_min(1e-8) / 127  # (n,)
-    w8 = torch.round(w / scale8[:, None]).clamp(-127, 127).to(torch.int8)  # (n, k)
-    bytes8 = n * k + 4 * n
-    out.append(
-        Method(
-            "torch-int8",
-            _copies(lambda: (w8.clone(), scale8.clone()), bytes8, cold_mb),
-            bytes8,
-            lambda x, c: torch.ops.aten._weight_int8pack_mm(x, c[0], c[1]),
-        )
-    )
-    # int4, groups of 32 along k, w = (q - 8) * scale + zero
-    g = 32
-    wg = w.reshape(n, k // g, g)
-    lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # (n, k / g)
-    scale4 = ((hi - lo) / 15).clamp_min(1e-8)
-    q4 = torch.round((wg - lo[..., None]) / scale4[..., None]).clamp(0, 15).to(torch.int32)
-    zero4 = lo + 8 * scale4
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.reshape(n, k), 2)
-    sz = torch.stack([scale4.T, zero4.T], dim=-1).contiguous()  # (k / g, n, 2)
-    bytes4 = packed.numel() + sz.numel() * 4
-    out.append(
-        Method(
-            "torch-int4",
-            _copies(lambda: (packed.clone(), sz.clone()), bytes4, cold_mb),
-            bytes4,
-            lambda x, c: torch.ops.aten._weight_int4pack_mm_for_cpu(x, c[0], g, c[1]),
-        )
-    )
+    out += [_torch_int8(w, cold_mb), _torch_int4(w, cold_mb)]
     return out, w
 
 
@@ -209,6 +215,47 @@ def time_methods(
     return {name: float(pick(v)) for name, v in samples.items()}
 
 
+def _report_shape(
+    name: str,
+    k: int,
+    n: int,
+    qtype: str,
+    methods: list[Method],
+    errs: dict[str, float],
+    secs: dict[int, dict[str, float]],
+    rows: list[int],
+) -> list[dict[str, Any]]:
+    """One shape's table (ms per product and its ratio to the first row count's, per
+    method and row count); the same as result records."""
+    print(f"\n{name}: {k} -> {n} ({qtype} weights {methods[0].nbytes / 1e6:.2f} MB)")
+    head = "".join(f"{'M=' + str(m):>16}" for m in rows)
+    print(f"{'method':<16}{'MB':>7}{'rel err':>9}{'GB/s M=1':>10}{head}")
+    results = []
+    for meth in methods:
+        base = secs[rows[0]][meth.name]
+        cells = "".join(
+            f"{secs[m][meth.name] * 1e3:>9.3f} x{secs[m][meth.name] / base:<5.2f}" for m in rows
+        )
+        gbps = meth.nbytes / base / 1e9
+        err = errs[meth.name]
+        print(f"{meth.name:<16}{meth.nbytes / 1e6:>7.2f}{err:>9.1e}{gbps:>10.1f}{cells}")
+        for m in rows:
+            results.append(
+                {
+                    "shape": name,
+                    "k": k,
+                    "n": n,
+                    "method": meth.name,
+                    "m": m,
+                    "ms": round(secs[m][meth.name] * 1e3, 5),
+                    "gb_per_s": round(meth.nbytes / secs[m][meth.name] / 1e9, 2),
+                    "vs_first_rows": round(secs[m][meth.name] / base, 3),
+                    "rel_err": float(f"{errs[meth.name]:.3g}"),
+                }
+            )
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="codespec bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="threads per product (default 2)")
@@ -263,31 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for m in rows
         }
-        print(f"\n{name}: {k} -> {n} ({qtype} weights {methods[0].nbytes / 1e6:.2f} MB)")
-        head = "".join(f"{'M=' + str(m):>16}" for m in rows)
-        print(f"{'method':<16}{'MB':>7}{'rel err':>9}{'GB/s M=1':>10}{head}")
-        for meth in methods:
-            base = secs[rows[0]][meth.name]
-            cells = "".join(
-                f"{secs[m][meth.name] * 1e3:>9.3f} x{secs[m][meth.name] / base:<5.2f}" for m in rows
-            )
-            gbps = meth.nbytes / base / 1e9
-            err = errs[meth.name]
-            print(f"{meth.name:<16}{meth.nbytes / 1e6:>7.2f}{err:>9.1e}{gbps:>10.1f}{cells}")
-            for m in rows:
-                results.append(
-                    {
-                        "shape": name,
-                        "k": k,
-                        "n": n,
-                        "method": meth.name,
-                        "m": m,
-                        "ms": round(secs[m][meth.name] * 1e3, 5),
-                        "gb_per_s": round(meth.nbytes / secs[m][meth.name] / 1e9, 2),
-                        "vs_first_rows": round(secs[m][meth.name] / base, 3),
-                        "rel_err": float(f"{errs[meth.name]:.3g}"),
-                    }
-                )
+        results += _report_shape(name, k, n, qtype, methods, errs, secs, rows)
         del methods, w
     summary = {"bench": "kernels", "threads": args.threads, "isa": isa, "stat": args.stat}
     print(json.dumps({**summary, "results": results}))
