@@ -100,24 +100,16 @@ def _declare(lib: ctypes.CDLL) -> None:
     )
 
 
-_KERNEL = NativeLibrary("gemm", [SOURCE], FLAGS, _declare, timeout=120, precheck=_precheck)
+_KERNEL = NativeLibrary(
+    "gemm", [SOURCE], FLAGS, _declare, timeout=120, precheck=_precheck, label="the CPU kernel"
+)
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first use; ``None`` when it cannot be used."""
-    return _KERNEL.library()
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`library` is ``None`` (``None`` when the kernel is loaded)."""
-    return _KERNEL.unavailable_reason()
-
-
-def _required() -> ctypes.CDLL:
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the CPU kernel is unavailable: {unavailable_reason()}")
-    return lib
+# The loaded kernel, built on first use (None when it cannot be used); why not; the
+# kernel or a RuntimeError saying why.
+library = _KERNEL.library
+unavailable_reason = _KERNEL.unavailable_reason
+_required = _KERNEL.required
 
 
 PANEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -57,7 +57,9 @@ class NativeLibrary:
         headers: Sequence[Path] = (),
         timeout: float = 120,
         precheck: Callable[[], str | None] = lambda: None,
+        label: str = "the kernel",
     ) -> None:
+        self.label = label  # what an error calls it ("the CPU kernel")
         self.stem, self.sources, self.headers = stem, tuple(sources), tuple(headers)
         self.flags, self.declare, self.timeout, self.precheck = (
             list(flags),
@@ -123,3 +125,10 @@ class NativeLibrary:
         """Why :meth:`library` is ``None`` (``None`` when the library is loaded)."""
         self.library()
         return self._reason
+
+    def required(self) -> ctypes.CDLL:
+        """The loaded library; RuntimeError saying why when it cannot be used."""
+        lib = self.library()
+        if lib is None:
+            raise RuntimeError(f"{self.label} is unavailable: {self._reason}")
+        return lib

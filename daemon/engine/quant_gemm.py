@@ -92,24 +92,22 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.argtypes = args
 
 
-_KERNEL = NativeLibrary("qgemm", SOURCES, FLAGS, _declare, headers=HEADERS, timeout=300)
+_KERNEL = NativeLibrary(
+    "qgemm",
+    SOURCES,
+    FLAGS,
+    _declare,
+    headers=HEADERS,
+    timeout=300,
+    label="the quantized CPU kernel",
+)
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first use; ``None`` when it cannot be built."""
-    return _KERNEL.library()
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`library` is ``None`` (``None`` when the kernel is loaded)."""
-    return _KERNEL.unavailable_reason()
-
-
-def _required() -> ctypes.CDLL:
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"the quantized CPU kernel is unavailable: {unavailable_reason()}")
-    return lib
+# The loaded kernel, built on first use (None when it cannot be used); why not; the
+# kernel or a RuntimeError saying why.
+library = _KERNEL.library
+unavailable_reason = _KERNEL.unavailable_reason
+_required = _KERNEL.required
 
 
 @functools.cache
