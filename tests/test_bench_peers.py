@@ -10,47 +10,78 @@ from pathlib import Path
 
 import pytest
 
-from codespec.daemon.bench import SUBCOMMANDS, dispatch, peers
+from codespec.daemon.bench import SUBCOMMANDS, dispatch, llamacpp, peers
 
 DATA = Path(__file__).parent / "data" / "peers"
 
 
 def test_parse_perf_reads_llama_completion_timings():
-    perf = peers.parse_perf((DATA / "llama-completion.stderr").read_text())
+    perf = llamacpp.parse_perf((DATA / "llama-completion.stderr").read_text())
     assert perf["prompt_tokens"] > 100 and perf["prompt_ms"] > 0
     assert perf["eval_runs"] > 0 and perf["eval_ms"] > 0
-    assert peers.parse_perf("nothing here") == {}
+    assert llamacpp.parse_perf("nothing here") == {}
 
 
 def test_parse_lookup_reads_the_summary():
-    out = peers.parse_lookup((DATA / "llama-lookup.stderr").read_text())
+    out = llamacpp.parse_lookup((DATA / "llama-lookup.stderr").read_text())
     assert out["encoded_tokens"] > 100 and out["encoded_s"] > 0
     assert out["decoded_tokens"] > 0 and out["decoded_s"] > 0
     assert out["n_draft"] == 10
     assert 0 <= out["n_accept"] <= out["n_drafted"]
-    assert peers.parse_lookup("") == {}
+    assert llamacpp.parse_lookup("") == {}
 
 
 def test_parse_llama_bench_reads_its_json():
-    records = peers.parse_llama_bench((DATA / "llama-bench.json").read_text())
+    records = llamacpp.parse_llama_bench((DATA / "llama-bench.json").read_text())
     assert [r["depth"] for r in records] == [0, 1000]
     assert all(r["gen"] == 64 and r["tokens_per_s"] > 0 for r in records)
-    assert peers.parse_llama_bench("no json") == []
+    assert llamacpp.parse_llama_bench("no json") == []
 
 
 def test_generated_text_follows_the_echoed_prompt():
-    assert peers._generated("\n\nPROMPT and more\n\n", "PROMPT") == " and more"
-    assert peers._generated("just output") == "just output"
+    assert llamacpp.generated("\n\nPROMPT and more\n\n", "PROMPT") == " and more"
+    assert llamacpp.generated("just output") == "just output"
+
+
+def _fake(path: Path, script: str) -> Path:
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+    return path
+
+
+def test_runs_time_decode_after_the_first_token(tmp_path):
+    """The runners on stand-in binaries that print the real binaries' captured output."""
+    err = DATA / "llama-completion.stderr"
+    plain = _fake(tmp_path / "llama-completion", f"printf 'x = 1'; cat {err} >&2\n")
+    err = DATA / "llama-lookup.stderr"
+    lookup = _fake(tmp_path / "llama-lookup", f"printf '\\n\\nPROMPTy = 2\\n\\n'; cat {err} >&2\n")
+    llama = llamacpp.LlamaCpp(tmp_path, "0.3.36", plain, lookup, None)
+    opts = llamacpp.Options(max_tokens=40)
+    t = llamacpp.run_plain(llama, opts, tmp_path / "m.gguf", tmp_path / "p.txt")
+    perf = llamacpp.parse_perf((DATA / "llama-completion.stderr").read_text())
+    assert t.text == "x = 1" and t.decode_tokens == perf["eval_runs"] == 39 and t.tokens == 40
+    assert t.decode_s == pytest.approx(perf["eval_ms"] / 1000)
+    assert t.prompt_tokens == perf["prompt_tokens"]
+    t = llamacpp.run_lookup(llama, opts, tmp_path / "m.gguf", tmp_path / "p.txt", "PROMPT")
+    assert t.text == "y = 2" and t.tokens == 41 and t.decode_tokens == 40
+    assert (t.drafted, t.accepted) == (44, 16)
+
+
+def test_a_crashing_binary_is_a_reason(tmp_path):
+    exe = _fake(tmp_path / "llama-completion", "kill -ILL $$\n")
+    llama = llamacpp.LlamaCpp(tmp_path, "0.3.36", exe, None, None)
+    with pytest.raises(llamacpp.LlamaFailed, match="signal 4"):
+        llamacpp.run_plain(llama, llamacpp.Options(), tmp_path / "m.gguf", tmp_path / "p.txt")
 
 
 def test_cpu_flags_name_each_feature_and_never_native_or_amx():
     info = "processor : 0\nflags : fpu sse avx avx2 fma f16c bmi2 avx512f amx_tile\n"
-    flags = peers.cpu_flags(info)
+    flags = llamacpp.cpu_flags(info)
     assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AMX_TILE=OFF" in flags
     assert "-DGGML_AVX2=ON" in flags and "-DGGML_AVX512=ON" in flags
     assert "-DGGML_AVX512_VNNI=OFF" in flags
-    assert "-DGGML_AVX512=OFF" in peers.cpu_flags("flags : avx avx2 fma f16c\n")
-    assert not any("AVX" in f for f in peers.cpu_flags(""))  # not x86: ggml's defaults
+    assert "-DGGML_AVX512=OFF" in llamacpp.cpu_flags("flags : avx avx2 fma f16c\n")
+    assert not any("AVX" in f for f in llamacpp.cpu_flags(""))  # not x86: ggml's defaults
 
 
 def test_cmake_targets(tmp_path):
@@ -62,38 +93,38 @@ def test_cmake_targets(tmp_path):
     (tmp_path / "tools" / "completion" / "CMakeLists.txt").write_text(
         "set(TARGET llama-completion)\n"
     )
-    assert peers.cmake_targets(tmp_path) == {"llama-lookup", "llama-completion"}
+    assert llamacpp.cmake_targets(tmp_path) == {"llama-lookup", "llama-completion"}
 
 
 def test_a_failed_download_is_a_reason_and_leaves_nothing(tmp_path, monkeypatch):
     def pip_fails(cmd, **kw):
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution\n")
 
-    monkeypatch.setattr(peers.subprocess, "run", pip_fails)
-    monkeypatch.setattr(peers.shutil, "which", lambda name: "/usr/bin/" + name)
-    with pytest.raises(peers.PeerUnavailable, match="pip download llama-cpp-python failed"):
-        peers.llama_cpp(root=tmp_path, say=lambda m: None)
-    assert peers.cached_build(tmp_path) is None
+    monkeypatch.setattr(llamacpp.subprocess, "run", pip_fails)
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: "/usr/bin/" + name)
+    with pytest.raises(llamacpp.PeerUnavailable, match="pip download llama-cpp-python failed"):
+        llamacpp.llama_cpp(root=tmp_path, say=lambda m: None)
+    assert llamacpp.cached_build(tmp_path) is None
     assert not list(tmp_path.glob(".build-*"))  # the temporary folder is gone
 
 
 def test_no_cmake_is_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(peers.shutil, "which", lambda name: None)
-    with pytest.raises(peers.PeerUnavailable, match="cmake is not installed"):
-        peers.llama_cpp(root=tmp_path)
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None)
+    with pytest.raises(llamacpp.PeerUnavailable, match="cmake is not installed"):
+        llamacpp.llama_cpp(root=tmp_path)
 
 
 def test_a_cached_build_is_found_and_a_partial_one_is_not(tmp_path):
-    assert peers.cached_build(tmp_path) is None
+    assert llamacpp.cached_build(tmp_path) is None
     for version in ("0.3.9", "0.3.36"):
         (tmp_path / f"llama.cpp-{version}" / "bin").mkdir(parents=True)
         exe = tmp_path / f"llama.cpp-{version}" / "bin" / "llama-lookup"
         exe.write_text("#!/bin/sh\n")
         exe.chmod(0o755)
-    (tmp_path / "llama.cpp-0.3.9" / peers.BUILD_INFO).write_text('{"version": "0.3.9"}')
-    assert peers.cached_build(tmp_path).version == "0.3.9"  # 0.3.36 has no build.json
-    (tmp_path / "llama.cpp-0.3.36" / peers.BUILD_INFO).write_text('{"version": "0.3.36"}')
-    found = peers.cached_build(tmp_path)
+    (tmp_path / "llama.cpp-0.3.9" / llamacpp.BUILD_INFO).write_text('{"version": "0.3.9"}')
+    assert llamacpp.cached_build(tmp_path).version == "0.3.9"  # 0.3.36 has no build.json
+    (tmp_path / "llama.cpp-0.3.36" / llamacpp.BUILD_INFO).write_text('{"version": "0.3.36"}')
+    found = llamacpp.cached_build(tmp_path)
     assert found.version == "0.3.36" and found.plain is None and found.lookup is not None
 
 
@@ -101,10 +132,10 @@ def test_the_draft_flag_follows_the_version(tmp_path):
     exe = tmp_path / "llama-lookup"
     exe.write_text("#!/bin/sh\necho '--spec-draft-n-max N   number of tokens to draft'\n")
     exe.chmod(0o755)
-    llama = peers.LlamaCpp(tmp_path, "0.3.36", None, exe, None)
+    llama = llamacpp.LlamaCpp(tmp_path, "0.3.36", None, exe, None)
     assert llama.draft_flag() == "--spec-draft-n-max"
     exe.write_text("#!/bin/sh\necho '--draft N   number of tokens to draft'\n")
-    assert peers.LlamaCpp(tmp_path, "0.3.1", None, exe, None).draft_flag() == "--draft"
+    assert llamacpp.LlamaCpp(tmp_path, "0.3.1", None, exe, None).draft_flag() == "--draft"
 
 
 def test_arguments_and_defaults():
@@ -122,13 +153,13 @@ def test_arguments_and_defaults():
 
 def test_llama_cpp_gets_the_prompt_unescaped_and_the_same_budget(tmp_path):
     args = peers.build_parser().parse_args(["--max-tokens", "50", "--threads", "3"])
-    flags = peers._common_flags(args, tmp_path / "m.gguf", tmp_path / "p.txt")
+    flags = llamacpp.common_flags(peers.options(args), tmp_path / "m.gguf", tmp_path / "p.txt")
     assert flags[flags.index("-f") + 1] == str(tmp_path / "p.txt")
     assert flags[flags.index("-n") + 1] == "50" and flags[flags.index("-t") + 1] == "3"
     assert flags[flags.index("--temp") + 1] == "0"
     assert "--no-escape" in flags and "--ignore-eos" in flags
     args = peers.build_parser().parse_args(["--stop-at-eos"])
-    assert "--ignore-eos" not in peers._common_flags(args, tmp_path, tmp_path)
+    assert "--ignore-eos" not in llamacpp.common_flags(peers.options(args), tmp_path, tmp_path)
 
 
 def test_unknown_method_is_refused(capsys):
@@ -143,10 +174,10 @@ def test_skipped_peer_still_runs_codespec(tmp_path, capsys, monkeypatch, tiny_mo
     gguf.write_bytes(b"GGUF")
 
     def no_build(**kw):
-        raise peers.PeerUnavailable("cmake configure failed: boom")
+        raise llamacpp.PeerUnavailable("cmake configure failed: boom")
 
     monkeypatch.setattr(peers, "model_gguf", lambda model: gguf)
-    monkeypatch.setattr(peers, "llama_cpp", no_build)
+    monkeypatch.setattr(llamacpp, "llama_cpp", no_build)
     args = ["peers", str(wl), "--model", str(tiny_model), "--max-tokens", "6"]
     assert dispatch([*args, "--methods", "ngram"]) == 0
     captured = capsys.readouterr()
