@@ -203,6 +203,27 @@ def test_cache_slots_keep_two_documents_warm(engine):
     assert (warm_a2, warm_b2) == (cold_a2, cold_b2)
 
 
+def test_a_warm_up_stopped_at_once_leaves_the_cache_usable(engine):
+    """A warm-up that yields before feeding anything (a request arrived) has already cut
+    the cache back to its shared prefix; the next request must see that cut (it asked to
+    truncate the cache past its length: "cannot truncate a cache of 33 tokens to 36")."""
+    a = engine.encode("import json\n\n\ndef load(path):\n    with open(path) as fh:\n")
+    other = a[:3] + engine.encode("print('something else entirely')\n")
+    slots = engine.slots.max_slots
+    engine.slots.max_slots = 1  # the warm-up and the request share the one slot
+    try:
+        engine.reset_cache()
+        cold, _ = run(engine, a + a[:2], max_tokens=6)
+        engine.reset_cache()
+        run(engine, a, max_tokens=4)
+        assert engine.warm(other, lambda: True) == 3  # cut to the shared prefix, nothing fed
+        warm, stats = run(engine, a + a[:2], max_tokens=6)
+    finally:
+        engine.slots.max_slots = slots
+        engine.reset_cache()
+    assert warm == cold and stats.cached_tokens == 3
+
+
 def test_single_slot_engine_refeeds(engine):
     """With one slot the second document evicts the first (the control for the test above)."""
     slots = engine.slots.max_slots

@@ -235,6 +235,7 @@ class Engine(ModelTarget):
         self.slots.pick(prompt)
         common = self.slots.reusable(prompt, ())
         self.runner.truncate(common)
+        self.slots.record_prompt(prompt[:common], common, None)  # even if nothing is fed
         pos, end = common, len(prompt) - 1
         while pos < end and not yield_to():
             n = min(chunk, end - pos)

@@ -108,8 +108,9 @@ class CacheSlots:
 
     def reusable(self, prompt: list[int], taps: tuple[int, ...]) -> int:
         """Leading prompt tokens whose KV (and, with ``taps``, hidden states) are cached;
-        never the whole prompt (its last token must be fed to get logits)."""
-        limit = min(len(self.cached_ids), len(prompt) - 1)
+        never the whole prompt (its last token must be fed to get logits), never past what
+        the runner's cache holds (a prefill or warm-up stopped after its truncate)."""
+        limit = min(len(self.cached_ids), self.runner.length, len(prompt) - 1)
         if taps:
             if taps != self.taps or self.tap_buf is None:
                 self.taps, self.tap_buf, self.tap_valid = taps, None, 0
