@@ -17,7 +17,6 @@ llama-bench's JSON (``parse_llama_bench``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -27,10 +26,12 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from codespec.daemon.engine.models import file_lock
 
 SDIST = "llama-cpp-python"
 PLAIN_TARGETS = ("llama-completion", "llama-cli")  # the plain decoder, newest name first
@@ -125,20 +126,6 @@ def say_stderr(message: str) -> None:
     print(f"codespec: {message}", file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    """One build at a time per cache (two benches started together build once)."""
-    import fcntl
-
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def llama_cpp(
     root: Path | None = None, rebuild: bool = False, say: Callable[[str], None] = say_stderr
 ) -> LlamaCpp:
@@ -150,7 +137,7 @@ def llama_cpp(
     if shutil.which("cmake") is None:
         raise PeerUnavailable("cmake is not installed")
     try:
-        with _locked(root):
+        with file_lock(root):  # one build per cache: two benches started together build once
             if not rebuild and (found := cached_build(root)) is not None:
                 return found  # another process built it while we waited
             return build(root, say)

@@ -153,16 +153,24 @@ def list_models(root: Path | None = None) -> list[CachedModel]:
 
 
 @contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    """One fetch or import at a time per cache (a daemon and an LSP may start together)."""
+def file_lock(root: Path) -> Iterator[None]:
+    """An exclusive lock on ``root/.lock`` (``root`` made if missing) for the block: one
+    writer at a time per cache folder, across processes."""
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            _sweep_partials(root)
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """One fetch or import at a time per cache (a daemon and an LSP may start together)."""
+    with file_lock(root):
+        _sweep_partials(root)
+        yield
 
 
 def _sweep_partials(root: Path) -> None:
