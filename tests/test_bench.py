@@ -94,26 +94,38 @@ def test_each_workload_keeps_its_own_index(tmp_path, capsys, monkeypatch, model)
 
 def test_a_timed_decode_does_not_inherit_lookahead_pools(engine):
     """Running the same prompt twice under one uri costs the same forwards both times: the
-    second run must not draft from the pool the first run harvested from its own output."""
-    from codespec.daemon.bench.methods import run_engine
+    second run must not draft from the pool the first run harvested from its own output.
+
+    The bare proposer drafts every step: the policy's controller (what ``run_engine``'s
+    methods get) sizes drafts by measured time, so its forwards vary with the machine's load."""
+    from codespec.daemon.bench.methods import decode_once
+    from codespec.daemon.engine.engine import GenParams
+    from codespec.speculators.draft import RequestInfo
+    from codespec.speculators.registry import build
 
     prompt = engine.encode("class Stack:\n    def __init__(self):\n")
-    runs = [run_engine(engine, "lookahead", prompt, 48, None, "file:///same.py") for _ in range(2)]
-    assert runs[0].ids == runs[1].ids
-    assert runs[0].forwards == runs[1].forwards
+    info = RequestInfo(prompt_ids=prompt, uri="file:///same.py", max_tokens=48)
+    runs = [
+        decode_once(engine, prompt, GenParams(max_tokens=48), build("lookahead", engine), info)
+        for _ in range(2)
+    ]
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1].target_forwards == runs[1][1].target_forwards
+    assert sum(runs[0][1].accepted.values()) > 0  # the pools do draft: the check has teeth
 
 
 def test_lookahead_grid_decodes_each_prompt_with_empty_pools(tmp_path, capsys, model):
     """The same prompt twice, without a uri, costs twice one decode's forwards: the
-    second decode must not draft from a pool the first one filled with its output."""
+    second decode must not draft from a pool the first one filled with its output. The
+    policy-free configuration (``,all``): the controller's draft sizes follow measured time."""
     item = {"id": "p", "prompt": "class Stack:\n    def __init__(self):\n", "max_tokens": 40}
 
     def forwards(copies: int) -> int:
         wl = tmp_path / f"w{copies}.jsonl"
         wl.write_text("\n".join(json.dumps(item) for _ in range(copies)))
-        assert dispatch(["lookahead", str(wl), "--grid", "2,4,2", *model]) == 0
+        assert dispatch(["lookahead", str(wl), "--grid", "2,4,2,all", *model]) == 0
         rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
-        (row,) = [r for r in rows if r["config"] == "2,4,2"]
+        (row,) = [r for r in rows if r["config"] == "2,4,2,all"]
         assert row["equal_to_off"] == copies
         return row["target_forwards"]
 
