@@ -1275,31 +1275,36 @@ struct Xq {
   std::vector<int32_t> s16;  // M x K/16: sums of q per 16
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, Xq& o) {
+void size_xq(int64_t M, int64_t K, Xq& o) {
   o.q.resize(M * K);
   o.dx.resize(M * K / 32);
   o.ms.resize(M * K / 32);
   o.s16.resize(M * K / 16);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < K / 32; ++b) {
-      const float* xb = x + m * ldx + 32 * b;
-      float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = std::fabs(xb[i]) > amax ? std::fabs(xb[i]) : amax;
-      const float d = amax / 127.0f;
-      const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      int32_t s[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        float v = std::nearbyint(xb[i] * id);
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        const int8_t q = static_cast<int8_t>(v);
-        o.q[m * K + 32 * b + i] = q;
-        s[i / 16] += q;
-      }
-      o.dx[m * (K / 32) + b] = d;
-      o.ms[m * (K / 32) + b] = d * static_cast<float>(s[0] + s[1]);
-      o.s16[m * (K / 16) + 2 * b] = s[0];
-      o.s16[m * (K / 16) + 2 * b + 1] = s[1];
+}
+
+// Blocks [b0, b1) of x's M x K/32 blocks of 32 inputs (row i / (K/32), block i % (K/32)).
+void quantize_blocks_scalar(const float* x, int64_t K, int64_t ldx, Xq& o, int64_t b0,
+                            int64_t b1) {
+  const int64_t nb = K / 32;
+  for (int64_t i = b0; i < b1; ++i) {
+    const int64_t m = i / nb, b = i % nb;
+    const float* xb = x + m * ldx + 32 * b;
+    float amax = 0.0f;
+    for (int k = 0; k < 32; ++k) amax = std::fabs(xb[k]) > amax ? std::fabs(xb[k]) : amax;
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s[2] = {0, 0};
+    for (int k = 0; k < 32; ++k) {
+      float v = std::nearbyint(xb[k] * id);
+      v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+      const int8_t q = static_cast<int8_t>(v);
+      o.q[m * K + 32 * b + k] = q;
+      s[k / 16] += q;
     }
+    o.dx[m * nb + b] = d;
+    o.ms[m * nb + b] = d * static_cast<float>(s[0] + s[1]);
+    o.s16[m * (K / 16) + 2 * b] = s[0];
+    o.s16[m * (K / 16) + 2 * b + 1] = s[1];
   }
 }
 
@@ -1482,33 +1487,94 @@ inline int32_t rd32(const int8_t* p) {
   return v;
 }
 
-// Sums of 4 products per 32-bit lane: u8 quants z times s8 x (Q8_0: signed quants, by
-// |q| times x with q's sign). No pair overflows 16 bits: 2 * 63 * 127 or 2 * 128 * 127.
-template <int T>
-inline I dot4(I acc, I z, I xv) {
-  I p;
-  if constexpr (T == T_Q8_0) p = _mm256_maddubs_epi16(_mm256_abs_epi8(z), _mm256_sign_epi8(xv, z));
-  else p = _mm256_maddubs_epi16(z, xv);
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+// quantize_blocks_scalar, 32 inputs a pass: the same fp32 steps (max |x|, d = max / 127, 1 / d,
+// round half to even, clamp), so the same bytes and scales. Blocks [b0, b1) of the
+// M x K/32 (threads split them).
+void quantize_blocks(const float* x, int64_t K, int64_t ldx, Xq& o, int64_t b0, int64_t b1) {
+  const V sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  const int64_t nb = K / 32;
+  for (int64_t i = b0; i < b1; ++i) {
+    const int64_t m = i / nb, b = i % nb;
+    const float* xb = x + m * ldx + 32 * b;
+    V v[4];
+    V amax = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xb + 8 * c);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[c]));
+    }
+    __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+    a4 = _mm_max_ss(a4, _mm_shuffle_ps(a4, a4, 1));
+    const float d = _mm_cvtss_f32(a4) / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const V idv = _mm256_set1_ps(id);
+    I q32[4];
+    for (int c = 0; c < 4; ++c) {
+      V r = _mm256_round_ps(_mm256_mul_ps(v[c], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+      q32[c] = _mm256_cvtps_epi32(r);
+    }
+    int32_t t[16];  // the sums of the first and of the second 16 (exact in 32 bits)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t), _mm256_add_epi32(q32[0], q32[1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(t + 8), _mm256_add_epi32(q32[2], q32[3]));
+    int32_t s0 = 0, s1 = 0;
+    for (int k = 0; k < 8; ++k) {
+      s0 += t[k];
+      s1 += t[8 + k];
+    }
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it
+    const I p8 = _mm256_packs_epi16(_mm256_packs_epi32(q32[0], q32[1]),
+                                    _mm256_packs_epi32(q32[2], q32[3]));
+    const I ord = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q.data() + m * K + 32 * b), ord);
+    o.dx[m * nb + b] = d;
+    o.ms[m * nb + b] = d * static_cast<float>(s0 + s1);
+    o.s16[m * (K / 16) + 2 * b] = s0;
+    o.s16[m * (K / 16) + 2 * b + 1] = s1;
+  }
 }
 
+// Groups of four k whose vpmaddubsw pair sums are added in 16 bits before widening to
+// 32: a pair sum is at most 2 * qmax * 127 (qmax 15 for the 4-bit quants, 31 Q5_K, 63
+// Q6_K, 128 Q8_0's |q|), so 8, 4, 2 and 1 of them stay below 2^15. The sums are exact
+// integers either way; only the instruction count changes.
+template <int T>
+constexpr int acc16() {
+  return T == T_Q8_0 ? 1 : T == T_Q6_K ? 2 : T == T_Q5_K ? 4 : 8;
+}
+
+// 16 pair sums (16 bits) of four products per 32-bit lane: u8 quants z times s8 x
+// (Q8_0: signed quants, by |q| times x with q's sign).
+template <int T>
+inline I mul4(I z, I xv) {
+  if constexpr (T == T_Q8_0) return _mm256_maddubs_epi16(_mm256_abs_epi8(z), _mm256_sign_epi8(xv, z));
+  else return _mm256_maddubs_epi16(z, xv);
+}
+
+// MR rows x NP panels over all of K: per sub-block, exact integer dots (16-bit partial
+// sums, acc16), then the float steps in the file's order. MR x NP is kept small so that
+// the 16-bit sums, the quants and x fit AVX2's 16 registers (the float sums live across
+// the sub-block loop and may spill: they are touched once a sub-block).
 template <int T, int MR, int NP>
-void direct(const ArgsI8& ai, int64_t m, int64_t p) {
+void tile(const ArgsI8& ai, int64_t m, int64_t p) {
   using F = Tr<T>;
   const Args& a = ai.a;
   const Xq& xq = *ai.xq;
   constexpr int BYTES = 16 * F::NATIVE;
   constexpr int C = T == T_Q8_0 ? 0 : i8_bias(T);  // Q8_0 is dotted signed here
+  constexpr int G = F::SUB / 4;                    // groups of four k per sub-block
+  constexpr int A = acc16<T>() < G ? acc16<T>() : G;
+  const I ones = _mm256_set1_epi16(1);
   V2 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < NP; ++q) acc[r][q] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const Ref pr = ref_of(a, p, BYTES);
   const int64_t nb = a.K / F::BK, k16 = a.K / 16, k32 = a.K / 32;
+  const int8_t* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = xq.q.data() + (m + r) * a.K;
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < F::BK / F::SUB; ++j) {
       const int64_t k0 = b * F::BK + j * F::SUB;
-      V2 sc[NP], off[NP];
-      for (int q = 0; q < NP; ++q) z256::scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
       I2 dot[MR][NP];
       for (int r = 0; r < MR; ++r) {
         const int32_t* s = xq.s16.data() + (m + r) * k16 + k0 / 16;
@@ -1516,20 +1582,33 @@ void direct(const ArgsI8& ai, int64_t m, int64_t p) {
         const I init = _mm256_set1_epi32(-C * sum);
         for (int q = 0; q < NP; ++q) dot[r][q] = {init, init};
       }
-      for (int g = 0; g < F::SUB / 4; ++g) {
-        const int gi = j * (F::SUB / 4) + g;
-        I2 z[NP];
-        for (int q = 0; q < NP; ++q) {
-          z[q] = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
-        }
-        for (int r = 0; r < MR; ++r) {
-          const I xv = _mm256_set1_epi32(rd32(xq.q.data() + (m + r) * a.K + k0 + 4 * g));
-          for (int q = 0; q < NP; ++q) {
-            dot[r][q].lo = dot4<T>(dot[r][q].lo, z[q].lo, xv);
-            dot[r][q].hi = dot4<T>(dot[r][q].hi, z[q].hi, xv);
+      for (int g0 = 0; g0 < G; g0 += A) {
+        I2 s16[MR][NP];
+        for (int g = g0; g < g0 + A; ++g) {
+          const int gi = j * G + g;
+          I2 z[NP];
+          for (int q = 0; q < NP; ++q) z[q] = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
+          for (int r = 0; r < MR; ++r) {
+            const I xv = _mm256_set1_epi32(rd32(xr[r] + k0 + 4 * g));
+            for (int q = 0; q < NP; ++q) {
+              const I lo = mul4<T>(z[q].lo, xv), hi = mul4<T>(z[q].hi, xv);
+              if (g == g0) {
+                s16[r][q] = {lo, hi};
+              } else {
+                s16[r][q].lo = _mm256_add_epi16(s16[r][q].lo, lo);
+                s16[r][q].hi = _mm256_add_epi16(s16[r][q].hi, hi);
+              }
+            }
           }
         }
+        for (int r = 0; r < MR; ++r)
+          for (int q = 0; q < NP; ++q) {
+            dot[r][q].lo = _mm256_add_epi32(dot[r][q].lo, _mm256_madd_epi16(s16[r][q].lo, ones));
+            dot[r][q].hi = _mm256_add_epi32(dot[r][q].hi, _mm256_madd_epi16(s16[r][q].hi, ones));
+          }
       }
+      V2 sc[NP], off[NP];
+      for (int q = 0; q < NP; ++q) z256::scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
       for (int r = 0; r < MR; ++r) {
         const V dx = _mm256_set1_ps(xq.dx[(m + r) * k32 + k0 / 32]);
         const V ms = _mm256_set1_ps(xq.ms[(m + r) * k32 + k0 / 32]);
@@ -1551,26 +1630,51 @@ void direct(const ArgsI8& ai, int64_t m, int64_t p) {
       z256::put(a, m + r, 16 * (p + q), acc[r][q].lo, acc[r][q].hi, a.N - 16 * (p + q));
 }
 
-template <int T, int MR, int NP>
-void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1) {
+// One row: NP panels of a group at a time (the weights stream once, in storage order).
+template <int T, int NP>
+void row_range(const ArgsI8& ai, int64_t p0, int64_t p1, int64_t m = 0) {
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
-    for (; p + NP <= end; p += NP) direct<T, MR, NP>(ai, m, p);
-    for (; p < end; ++p) direct<T, MR, 1>(ai, m, p);
+    for (; p + NP <= end; p += NP) tile<T, 1, NP>(ai, m, p);
+    for (; p < end; ++p) tile<T, 1, 1>(ai, m, p);
   }
 }
 
 template <int T>
 void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   const int64_t M = ai.a.M;
-  if (M == 1) return range<T, 1, 4>(ai, 0, p0, p1);
-  // group by group (read from memory once, then from cache), two rows x four panels a pass
-  for (int64_t p = p0; p < p1;) {
-    const int64_t end = group_end(p, p1);
+  if (M == 1) return row_range<T, 4>(ai, p0, p1);
+  if constexpr (T == T_Q8_0) {
+    // Q8_0 gains nothing from 16-bit sums (acc16 1): group by group, two rows x four
+    // panels a pass, the four panels read as one stream. Panel by panel took 1.6x as
+    // long for the 49152 x 576 LM head at 16 rows (AVX2, one thread).
+    for (int64_t p = p0; p < p1;) {
+      const int64_t end = group_end(p, p1);
+      for (int64_t m = 0; m < M; m += 2) {
+        if (M - m >= 2) {
+          int64_t q = p;
+          for (; q + 4 <= end; q += 4) tile<T, 2, 4>(ai, m, q);
+          for (; q < end; ++q) tile<T, 2, 1>(ai, m, q);
+        } else {
+          row_range<T, 4>(ai, p, end, m);
+        }
+      }
+      p = end;
+    }
+    return;
+  }
+  // Panel by panel (its K x 16 weights come from memory once, then from L1/L2), three
+  // rows a pass. For 576 -> 3072 Q4_1 at 16 rows (AVX2, one thread, best of many):
+  // 0.39 ms, against 0.46-0.52 four rows a pass (the 16-bit sums spill) and ~0.9 two
+  // rows x four panels with 32-bit sums, the previous kernel.
+  for (int64_t p = p0; p < p1; ++p) {
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) range<T, 2, 4>(ai, m, p, end);
-    if (m < M) range<T, 1, 4>(ai, m, p, end);
-    p = end;
+    for (; m + 3 <= M; m += 3) tile<T, 3, 1>(ai, m, p);
+    switch (M - m) {
+      case 2: tile<T, 2, 1>(ai, m, p); break;
+      case 1: tile<T, 1, 1>(ai, m, p); break;
+      default: break;
+    }
   }
 }
 
@@ -1582,6 +1686,15 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
 namespace {
 
 using PanelFnI8 = void (*)(const ArgsI8&, int64_t, int64_t);
+using QuantFn = void (*)(const float*, int64_t, int64_t, Xq&, int64_t, int64_t);
+
+QuantFn pick_quant(int isa) {
+#ifdef QG_X86
+  if (isa == ISA_AVX2 || isa == ISA_AVX512_VNNI) return v256::quantize_blocks;
+#endif
+  (void)isa;
+  return quantize_blocks_scalar;
+}
 
 PanelFnI8 pick_i8(int isa, int t) {
 #ifdef QG_X86
@@ -1614,21 +1727,35 @@ int cs_qgemm_i8(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const 
                 int64_t ldr, int64_t threads, int isa) {
   Desc ds;
   if (!desc_of(t, ds) || !isa_ok(isa) || isa == ISA_AVX512 || K % ds.bk || K % 32) return -1;
-  Xq xq;
-  quantize_rows(x, M, K, ldx, xq);
+  // Reused: a forward makes ~200 of these calls. Reached through a pointer: inside the
+  // parallel region, the name would be each worker thread's own (empty) buffer.
+  thread_local Xq buffer;
+  Xq* const xp = &buffer;
+  Xq& xq = *xp;
+  size_xq(M, K, xq);
   ArgsI8 ai{{x, M, K, ldx, P, N, y, ldy, bias, res, ldr, t, (K / ds.bk) * 16 * ds.native,
              (N + 15) / 16},
-            &xq};
+            xp};
   PanelFnI8 fn = pick_i8(isa, t);
   if (!fn) return -1;
-  const int64_t npanel = (N + 15) / 16;
-  if (threads <= 1 || npanel < 2) {
+  QuantFn quant = pick_quant(isa);
+  const int64_t npanel = (N + 15) / 16, nblk = M * (K / 32);
+  if (threads > npanel) threads = npanel;
+  if (threads <= 1) {
+    quant(x, K, ldx, xq, 0, nblk);
     fn(ai, 0, npanel);
     return 0;
   }
-  if (threads > npanel) threads = npanel;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < threads; ++i) fn(ai, npanel * i / threads, npanel * (i + 1) / threads);
+  // one parallel region: the rows' blocks quantized, then (after the loop's barrier) the
+  // panels shared out
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < threads; ++i)
+      quant(x, K, ldx, *xp, nblk * i / threads, nblk * (i + 1) / threads);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < threads; ++i) fn(ai, npanel * i / threads, npanel * (i + 1) / threads);
+  }
   return 0;
 }
 
