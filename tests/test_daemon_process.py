@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from codespec.daemon.client import Client
+from codespec.daemon.engine.lean import gguf_products
 
 # `serve` loads the default model: fetched (once) before a daemon starts; the daemons find it
 # through CODESPEC_MODELS (conftest), whatever XDG_CACHE_HOME they get
@@ -94,7 +95,8 @@ def test_serve_lifecycle(tmp_path):
             assert s["model"] == "SmolLM2-135M-Instruct" and s["documents"] == 1
             assert s["policy"]["weights"]["eagle"] == "no weights for this model"
             if s["runner"] == "lean":  # the default model runs from its GGUF's own blocks
-                assert s["cpu_kernel"] == "qgemm, GGUF blocks Q4_1/Q8_0, exact products"
+                products = "int8 activations" if gguf_products() == "int8" else "exact"
+                assert s["cpu_kernel"] == f"qgemm, GGUF blocks Q4_1/Q8_0, {products} products"
             text = cli(env, "status", timeout=60)
             assert "weights    eagle: no weights for this model" in text.stdout, text.stdout
             assert s["requests"]["served"] >= 1

@@ -29,7 +29,7 @@ gguf = pytest.importorskip("gguf")
 from ggufs import write_gguf  # noqa: E402
 
 from codespec.daemon.engine import gguf_weights, quant_gemm  # noqa: E402
-from codespec.daemon.engine.lean import LeanRunner, from_model_folder  # noqa: E402
+from codespec.daemon.engine.lean import LeanRunner, from_model_folder, gguf_products  # noqa: E402
 from codespec.daemon.engine.runner import HFRunner  # noqa: E402
 
 pytestmark = [
@@ -255,8 +255,9 @@ def test_model_folder_loads_from_the_blocks(tmp_path: Path) -> None:
     assert got is not None
     runner, config = got
     assert runner.gguf and config.model_type == "llama"
+    assert runner.int8 == (gguf_products() == "int8")  # int8 where the CPU has the path
     ids = _ids(9, 14, runner.vocab_size)
-    direct = LeanRunner.from_gguf(path, max_length=64)
+    direct = LeanRunner.from_gguf(path, max_length=64, int8=runner.int8)
     assert torch.equal(runner.forward(ids).logits, direct.forward(ids).logits)
     half = _write(tmp_path / "half" / "h.gguf", "F16")
     g = gguf_weights.read(half)
@@ -268,7 +269,8 @@ def test_model_folder_loads_from_the_blocks(tmp_path: Path) -> None:
 
 def test_the_folder_weights_can_be_asked_for(tmp_path: Path, monkeypatch) -> None:
     """``CODESPEC_GGUF_PRODUCTS=fp16``: the folder's 16-bit weights as panels instead of the
-    GGUF's blocks (the caller loads the folder); ``int8``: the blocks with int8 products."""
+    GGUF's blocks (the caller loads the folder); ``int8``: the blocks with int8 products;
+    ``exact``: the blocks with the exact products."""
     from codespec.daemon.engine import models
 
     folder = models.import_gguf(_write(tmp_path / "src" / "q.gguf", "Q8_0"), tmp_path / "c")
@@ -277,6 +279,9 @@ def test_the_folder_weights_can_be_asked_for(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setenv("CODESPEC_GGUF_PRODUCTS", "int8")
     got = from_model_folder(folder, 64)
     assert got is not None and got[0].gguf and got[0].int8
+    monkeypatch.setenv("CODESPEC_GGUF_PRODUCTS", "exact")
+    got = from_model_folder(folder, 64)
+    assert got is not None and got[0].gguf and not got[0].int8
 
 
 def test_fast_tokenizer_answers_as_autotokenizer(tmp_path: Path) -> None:

@@ -2,10 +2,11 @@
 
 Runners over the same model (``--runners``, those that apply):
 
-- ``gguf``: the lean runner on the GGUF's own blocks, exact products (what the engine
-  loads on a CPU for a model made from a GGUF);
-- ``gguf-i8``: the same with x rounded to int8 for the block products (llama.cpp's way,
-  ``CODESPEC_GGUF_PRODUCTS=int8``; not bit-equal to ``gguf``);
+- ``gguf``: the lean runner on the GGUF's own blocks, exact products
+  (``CODESPEC_GGUF_PRODUCTS=exact``);
+- ``gguf-i8``: the same with x rounded to int8 for the block products (llama.cpp's way;
+  not bit-equal to ``gguf``): what the engine loads on a CPU with AVX2 or AVX-512 VNNI
+  for a model made from a GGUF;
 - ``fp16``: the lean runner on the folder's safetensors as 16-bit ``cpu_gemm`` panels
   (the engine's runner before GGUF blocks; an fp32 checkpoint keeps fp32 panels);
 - ``torch-int8`` / ``torch-int4``: the lean runner's torch path with every matrix through
