@@ -1630,35 +1630,30 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p) {
       z256::put(a, m + r, 16 * (p + q), acc[r][q].lo, acc[r][q].hi, a.N - 16 * (p + q));
 }
 
-// One row: NP panels of a group at a time (the weights stream once, in storage order).
-template <int T, int NP>
-void row_range(const ArgsI8& ai, int64_t p0, int64_t p1, int64_t m = 0) {
+// Rows m .. m + MR - 1 over panels [p0, p1): NP panels of a group at a time (the weights
+// stream once, in storage order).
+template <int T, int MR, int NP>
+void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
-    for (; p + NP <= end; p += NP) tile<T, 1, NP>(ai, m, p);
-    for (; p < end; ++p) tile<T, 1, 1>(ai, m, p);
+    for (; p + NP <= end; p += NP) tile<T, MR, NP>(ai, m, p);
+    for (; p < end; ++p) tile<T, MR, 1>(ai, m, p);
   }
 }
 
 template <int T>
 void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   const int64_t M = ai.a.M;
-  if (M == 1) return row_range<T, 4>(ai, p0, p1);
+  if (M == 1) return range<T, 1, 4>(ai, 0, p0, p1);
   if constexpr (T == T_Q8_0) {
     // Q8_0 gains nothing from 16-bit sums (acc16 1): group by group, two rows x four
     // panels a pass, the four panels read as one stream. Panel by panel took 1.6x as
     // long for the 49152 x 576 LM head at 16 rows (AVX2, one thread).
     for (int64_t p = p0; p < p1;) {
       const int64_t end = group_end(p, p1);
-      for (int64_t m = 0; m < M; m += 2) {
-        if (M - m >= 2) {
-          int64_t q = p;
-          for (; q + 4 <= end; q += 4) tile<T, 2, 4>(ai, m, q);
-          for (; q < end; ++q) tile<T, 2, 1>(ai, m, q);
-        } else {
-          row_range<T, 4>(ai, p, end, m);
-        }
-      }
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) range<T, 2, 4>(ai, m, p, end);
+      if (m < M) range<T, 1, 4>(ai, m, p, end);
       p = end;
     }
     return;
@@ -1731,8 +1726,7 @@ int cs_qgemm_i8(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const 
   // parallel region, the name would be each worker thread's own (empty) buffer.
   thread_local Xq buffer;
   Xq* const xp = &buffer;
-  Xq& xq = *xp;
-  size_xq(M, K, xq);
+  size_xq(M, K, *xp);
   ArgsI8 ai{{x, M, K, ldx, P, N, y, ldy, bias, res, ldr, t, (K / ds.bk) * 16 * ds.native,
              (N + 15) / 16},
             xp};
@@ -1742,7 +1736,7 @@ int cs_qgemm_i8(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const 
   const int64_t npanel = (N + 15) / 16, nblk = M * (K / 32);
   if (threads > npanel) threads = npanel;
   if (threads <= 1) {
-    quant(x, K, ldx, xq, 0, nblk);
+    quant(x, K, ldx, *xp, 0, nblk);
     fn(ai, 0, npanel);
     return 0;
   }
