@@ -332,6 +332,30 @@ def test_i8_rows_equal_one_row_products_bit_for_bit(qtype: str) -> None:
                 assert torch.equal(y, one[:m]), f"{qtype} i8 {isa} threads={threads} M={m}"
 
 
+@needs_kernel
+def test_i8_many_equals_each_product_alone_bit_for_bit() -> None:
+    """Several matrices of different types over the same rows (the stack's q/k/v): one call
+    quantizes x once; each matrix's columns equal its own product, with its bias."""
+    k = 256
+    mats, biases = [], []
+    for i, (qtype, n) in enumerate([("Q4_1", 67), ("Q8_0", 16), ("Q6_K", 33), ("Q4_K", 5)]):
+        mats.append(QuantMatrix.from_bytes(random_gguf(qtype, n, k, seed=30 + i), qtype, n, k))
+        biases.append(torch.randn(n) if i % 2 else None)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(4))
+    for isa in _i8_isas():
+        for threads in (1, 2, 3):
+            for m in (1, 3, 9, 16):
+                got = quant_gemm.linear_i8_many(x[:m], mats, biases, threads=threads, isa=isa)
+                alone = [
+                    quant_gemm.linear_i8(x[:m], qm, b, threads=1, isa=isa)
+                    for qm, b in zip(mats, biases, strict=True)
+                ]
+                assert torch.equal(got, torch.cat(alone, dim=1)), f"{isa} {threads} M={m}"
+    with pytest.raises(ValueError, match="k differ"):
+        quant_gemm.linear_i8_many(x, [mats[0], QuantMatrix.from_bytes(
+            random_gguf("Q8_0", 16, 64, seed=1), "Q8_0", 16, 64)])  # fmt: skip
+
+
 # The bytes of each type's quants (the rest: scales, kept as random_gguf made them).
 QUANT_BYTES = {
     "Q8_0": slice(2, 34),

@@ -212,6 +212,38 @@ def test_int8_products_keep_rows_equal(tmp_path: Path) -> None:
     assert torch.equal(verify, torch.cat([fast.forward([t]).logits for t in draft]))
 
 
+def test_one_region_forward_equals_a_region_per_product(model_file: Path, monkeypatch) -> None:
+    """int8 products run the whole forward in one parallel region with the stack's own
+    barriers (spinning, or sleeping on a busy machine); the logits, taps and cache equal
+    those of the forward that opens a region per product, for 1, 2 and 3 threads (3 on
+    this 2-core machine: threads descheduled at the barriers), chains and trees."""
+    if not quant_gemm.i8_available():
+        pytest.skip("no int8 product path on this CPU")
+
+    def run(runner: LeanRunner) -> list[torch.Tensor]:
+        v = runner.vocab_size
+        out = _run(runner, v)
+        out.append(runner.forward(_ids(3, 13, v), taps=(0, 1)).hidden)
+        out.append(runner.forward(_ids(4, 14, v), last_only=True).logits)
+        return out
+
+    lib = quant_gemm.library()
+    assert lib is not None
+    monkeypatch.setenv("CODESPEC_LEAN_REGIONS", "per-product")
+    ref = run(LeanRunner.from_gguf(model_file, max_length=96, int8=True))
+    monkeypatch.delenv("CODESPEC_LEAN_REGIONS")
+    for threads in (1, 2, 3):
+        before = lib.cs_lean_team_forwards()
+        torch.set_num_threads(threads)
+        try:
+            got = run(LeanRunner.from_gguf(model_file, max_length=96, int8=True))
+        finally:
+            torch.set_num_threads(1)
+        assert lib.cs_lean_team_forwards() > before  # the one-region path ran
+        for a, b in zip(got, ref, strict=True):
+            assert torch.equal(a, b), f"threads={threads}"
+
+
 def test_taps_and_last_only(model_file: Path) -> None:
     """Taps 0 .. L (tap L before the final norm) and a last-row-only prefill, as the torch
     runner on the same weights gives them."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("cs_q_dequant", None, [i32, ptr, i64, i64, ptr, i32]),
         ("cs_q_rows", None, [i32, ptr, i64, i64, ptr, i64, ptr, i64]),
         ("cs_lean_version", i32, []),
+        ("cs_lean_team_forwards", i64, []),
         ("cs_lean_forward", i32, [ptr, ptr]),
         ("cs_lean_keep", None, [ptr, i64, i64, i64, i64, i64, ptr, i64]),
         ("cs_qgemm", i32, [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32]),
@@ -85,6 +87,11 @@ def _declare(lib: ctypes.CDLL) -> None:
             "cs_qgemm_i8",
             i32,
             [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32],
+        ),
+        (
+            "cs_qgemm_i8_many",
+            i32,
+            [i64, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i32],
         ),
     ):
         fn = getattr(lib, name)
@@ -399,6 +406,48 @@ def linear_i8(
     return y
 
 
+def linear_i8_many(
+    x: torch.Tensor,
+    mats: Sequence[QuantMatrix],
+    biases: Sequence[torch.Tensor | None] | None = None,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """:func:`linear_i8` of the same x with up to 8 matrices (the same k), their outputs
+    side by side in one ``(M, sum of n)`` tensor: x is rounded once and one parallel
+    region shares out every matrix's panels (the lean stack's q/k/v and gate/up). Each
+    matrix's columns equal :func:`linear_i8`'s for it alone, bit for bit."""
+    lib = _required()
+    if not 1 <= len(mats) <= 8:
+        raise ValueError(f"linear_i8_many: 1 to 8 matrices, got {len(mats)}")
+    if len({qm.k for qm in mats}) != 1:
+        raise ValueError("linear_i8_many: the matrices' k differ")
+    biases = list(biases) if biases is not None else [None] * len(mats)
+    if len(biases) != len(mats):
+        raise ValueError("linear_i8_many: one bias (or None) per matrix")
+    checked = [_check(x, qm, b, None) for qm, b in zip(mats, biases, strict=True)]
+    x = checked[0][0]
+    chosen = isa or i8_isa()
+    if chosen not in _I8_CODES:
+        raise ValueError(f"linear_i8_many: isa must be one of {', '.join(_I8_CODES)}, got {chosen}")
+    n = len(mats)
+    y = torch.empty(x.shape[0], sum(qm.n for qm in mats), dtype=torch.float32)
+    if not x.shape[0]:
+        return y
+    types = (ctypes.c_int * n)(*(qm.ggml_type for qm in mats))
+    panels = (ctypes.c_void_p * n)(*(qm.panels.data_ptr() for qm in mats))
+    sizes = (ctypes.c_int64 * n)(*(qm.n for qm in mats))
+    bias_ptrs = (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for _, b, _ in checked))
+    rc = lib.cs_qgemm_i8_many(
+        n, types, x.data_ptr(), x.shape[0], mats[0].k, x.stride(0), panels, sizes,
+        y.data_ptr(), y.stride(0), bias_ptrs, None, 0,
+        max(_threads(x.shape[0], qm, threads) for qm in mats), _I8_CODES[chosen],
+    )  # fmt: skip
+    if rc:
+        raise RuntimeError(f"linear_i8_many: the kernel refused the products on {chosen}")
+    return y
+
+
 __all__ = [
     "ISAS",
     "ISA_ENV",
@@ -413,5 +462,6 @@ __all__ = [
     "library",
     "linear",
     "linear_i8",
+    "linear_i8_many",
     "unavailable_reason",
 ]

@@ -72,13 +72,14 @@ inline void rope(const float* x, const float* c, const float* s, int64_t D, floa
 
 // q heads: rotated and scaled into qs (T, NH, D); k, v: rotated / copied into the cache as
 // fp16 (K in tiles of 16 keys, V in rows of Dp), values clamped to fp16's range.
+// Tokens [t0, t1) (default: all).
 void rope_store(const Model& m, const Fwd& f, const float* qkv, float* qs, uint16_t* kc,
-                uint16_t* vc) {
+                uint16_t* vc, int64_t t0 = 0, int64_t t1 = -1) {
   const int64_t D = m.head_dim, NH = m.heads, KV = m.kv_heads, Dp = pad16(D);
   const int64_t QW = (NH + 2 * KV) * D;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  std::vector<float> tmp(D);
-  for (int64_t t = 0; t < f.T; ++t) {
+  float tmp[MAX_DP];
+  for (int64_t t = t0; t < (t1 < 0 ? f.T : t1); ++t) {
     const float* c = m.cos + f.pos[t] * D;
     const float* s = m.sin + f.pos[t] * D;
     const float* row = qkv + t * QW;
@@ -89,7 +90,7 @@ void rope_store(const Model& m, const Fwd& f, const float* qkv, float* qs, uint1
     }
     const int64_t r = f.past + t;
     for (int64_t h = 0; h < KV; ++h) {
-      rope(row + (NH + h) * D, c, s, D, tmp.data());
+      rope(row + (NH + h) * D, c, s, D, tmp);
       uint16_t* kt = kc + h * f.s_max * D + (r / 16) * D * 16 + r % 16;
       for (int64_t d = 0; d < D; ++d) kt[16 * d] = f2h(clamp_h(tmp[d]));
       const float* v = row + (NH + KV + h) * D;
@@ -322,4 +323,105 @@ int forward(const Model& m, const Fwd& f) {
     if (!products(m, f, &m.head, 1, rows, b.a.data(), H, f.logits, m.vocab, nullptr)) return -1;
   }
   return 0;
+}
+
+// forward() with int8 block products (team_ok) in one parallel region: each step's work is
+// shared out by rows (norms, x's quantization, RoPE, SiLU), panels (products), attention
+// tasks (taken in turn) or merged rows, with bar.wait() between steps. The same numbers
+// as forward(): no result depends on which thread computes it.
+int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
+  const int64_t T = f.T, H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
+  const int64_t I = m.inter, QW = (NH + 2 * KV) * D, Dp = pad16(D), G = NH / KV;
+  Bufs& b = bufs(T, m);
+  embed(m, f, b.x.data());
+  tap(m, f, 0, b.x.data());
+  Plan plan;
+  if (!make_plan(m, f, plan)) return -2;
+  b.part.resize(KV * T * G * plan.nchunk * (Dp + 2));
+  const int64_t kmax = H > I ? (H > NH * D ? H : NH * D) : (I > NH * D ? I : NH * D);
+  void* xq = cs_qgemm_i8_buffer(T, kmax);
+  const int isa = i8_isa(f.isa);
+  const int64_t ntask = static_cast<int64_t>(plan.tasks.size()) * KV;
+  const int64_t mrows = KV * T * G;
+  std::atomic<int64_t> next{0};
+  std::atomic<int> rc{0};
+  const int64_t threads = f.threads > 1 ? f.threads : 1;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    bar.n = omp_get_num_threads();  // (its implicit barrier: every thread sees n)
+    const int64_t tid = omp_get_thread_num(), n = bar.n;
+    auto share = [&](int64_t total, int64_t& lo, int64_t& hi) {
+      lo = total * tid / n;
+      hi = total * (tid + 1) / n;
+    };
+    auto mats = [&](const Mat* ms, int64_t count, int64_t M, float* y, int64_t ldy,
+                    const float* res) {
+      int64_t col = 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const Mat& w = ms[i];
+        int64_t p0, p1;
+        share((w.n + 15) / 16, p0, p1);
+        if (cs_qgemm_i8_panels(xq, w.kind, M, w.k, static_cast<const uint8_t*>(w.p), w.n,
+                               y + col, ldy, w.bias, res ? res + col : nullptr, ldy, p0, p1,
+                               isa))
+          rc.store(-1);
+        col += w.n;
+      }
+    };
+    int64_t r0, r1;
+    share(T, r0, r1);
+    for (int64_t l = 0; l < m.layers; ++l) {
+      const Layer& L = m.layer[l];
+      uint16_t* kc = f.kv + l * KV * f.s_max * (D + Dp);
+      uint16_t* vc = kc + KV * f.s_max * D;
+      rmsnorm(b.x.data() + r0 * H, r1 - r0, H, H, L.ln1, m.eps, b.a.data() + r0 * H, H);
+      cs_qgemm_i8_quantize(xq, b.a.data(), H, H, r0, r1, isa);
+      if (tid == 0) next.store(0);
+      bar.wait();
+      mats(L.qkv, L.nqkv, T, b.qkv.data(), QW, nullptr);
+      bar.wait();
+      rope_store(m, f, b.qkv.data(), b.qs.data(), kc, vc, r0, r1);
+      bar.wait();
+      const Attn A = plan.attn(m, f, kc, vc, b.qs.data(), b.o.data(), b.part.data());
+      for (int64_t i = next.fetch_add(1); i < ntask; i = next.fetch_add(1)) {
+        const int64_t nt = ntask / KV;
+        run_task(A, i / nt, plan.tasks[i % nt]);
+      }
+      bar.wait();
+      int64_t a0, a1;
+      share(mrows, a0, a1);
+      for (int64_t i = a0; i < a1; ++i) {
+        const int64_t h = i / (T * G), t = (i / G) % T, g = i % G;
+        merge_row(A, h, t, g, b.o.data() + t * NH * D + (h * G + g) * D);
+      }
+      bar.wait();
+      cs_qgemm_i8_quantize(xq, b.o.data(), NH * D, NH * D, r0, r1, isa);
+      bar.wait();
+      mats(&L.o, 1, T, b.x.data(), H, b.x.data());
+      bar.wait();
+      rmsnorm(b.x.data() + r0 * H, r1 - r0, H, H, L.ln2, m.eps, b.a.data() + r0 * H, H);
+      cs_qgemm_i8_quantize(xq, b.a.data(), H, H, r0, r1, isa);
+      bar.wait();
+      mats(L.gu, L.ngu, T, b.gu.data(), 2 * I, nullptr);
+      bar.wait();
+      silu_mul(b.gu.data() + r0 * 2 * I, r1 - r0, I, b.act.data() + r0 * I);
+      cs_qgemm_i8_quantize(xq, b.act.data(), I, I, r0, r1, isa);
+      bar.wait();
+      mats(&L.down, 1, T, b.x.data(), H, b.x.data());
+      bar.wait();
+      if (tid == 0) tap(m, f, l + 1, b.x.data());  // read-only on x, as the next norm
+    }
+    const int64_t rows = T - f.first;
+    if (rows > 0 && f.logits) {
+      int64_t h0, h1;
+      share(rows, h0, h1);
+      rmsnorm(b.x.data() + (f.first + h0) * H, h1 - h0, H, H, m.norm, m.eps,
+              b.a.data() + h0 * H, H);
+      cs_qgemm_i8_quantize(xq, b.a.data(), H, H, h0, h1, isa);
+      bar.wait();
+      mats(&m.head, 1, rows, f.logits, m.vocab, nullptr);
+    }
+  }
+  return rc.load();
 }

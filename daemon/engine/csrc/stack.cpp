@@ -22,8 +22,20 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <thread>
 #include <vector>
+
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -37,9 +49,19 @@ int cs_qgemm(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uin
 void cs_q_rows(int t, const uint8_t* P, int64_t N, int64_t K, const int64_t* ids, int64_t n,
                float* out, int64_t ldo);
 int cs_q_isa_ok(int isa);
+int cs_qgemm_i8_many(int64_t n, const int* types, const float* x, int64_t M, int64_t K,
+                     int64_t ldx, const uint8_t* const* P, const int64_t* N, float* y,
+                     int64_t ldy, const float* const* bias, const float* res, int64_t ldr,
+                     int64_t threads, int isa);
 int cs_qgemm_i8(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* P,
                 int64_t N, float* y, int64_t ldy, const float* bias, const float* res,
                 int64_t ldr, int64_t threads, int isa);
+void* cs_qgemm_i8_buffer(int64_t M, int64_t K);
+void cs_qgemm_i8_quantize(void* xq, const float* x, int64_t K, int64_t ldx, int64_t m0,
+                          int64_t m1, int isa);
+int cs_qgemm_i8_panels(const void* xq, int t, int64_t M, int64_t K, const uint8_t* P, int64_t N,
+                       float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr,
+                       int64_t p0, int64_t p1, int isa);
 }
 
 namespace {
@@ -283,6 +305,121 @@ void tap(const Model& m, const Fwd& f, int64_t layer, const float* x) {
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// One parallel region per forward (int8 block products): the threads meet at a Barrier
+// between the steps of a layer (~11 a layer) instead of OpenMP opening a region per product
+// (~8 a layer, each a wake-up of sleeping threads: ~10 us here, a quarter of a 256-token
+// decode step). A thread that arrives early spins for at most spin_ns (a partner a
+// microsecond behind costs nothing), then sleeps on a futex: on a busy machine a partner
+// can be descheduled for milliseconds, and spinning through that takes a core from the
+// threads that are behind (OpenMP's own spinning made a decode step 4-7x slower there).
+// Whether to spin at all follows the machine (SpinPolicy).
+
+inline void cpu_relax() {
+#ifdef LS_X86
+  _mm_pause();
+#endif
+}
+
+struct Barrier {
+  alignas(64) std::atomic<int> count{0};
+  alignas(64) std::atomic<int> gen{0};
+  std::atomic<int> sleepers{0};
+  std::atomic<int64_t> slept{0};  // waits that ran out of spin
+  std::atomic<int64_t> waits{0};
+  int n = 1;
+  int64_t spin_ns = 0;
+
+  static void sleep_on(std::atomic<int>* a, int v) {
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<int*>(a), FUTEX_WAIT_PRIVATE, v, nullptr, nullptr, 0);
+#else
+    (void)a, (void)v;
+    std::this_thread::yield();
+#endif
+  }
+  static void wake_all(std::atomic<int>* a) {
+#ifdef __linux__
+    syscall(SYS_futex, reinterpret_cast<int*>(a), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr,
+            nullptr, 0);
+#else
+    (void)a;
+#endif
+  }
+
+  void wait() {
+    if (n <= 1) return;
+    const int g = gen.load(std::memory_order_acquire);
+    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count.store(0, std::memory_order_relaxed);
+      gen.store(g + 1, std::memory_order_seq_cst);
+      if (sleepers.load(std::memory_order_seq_cst) > 0) wake_all(&gen);
+      return;
+    }
+    waits.fetch_add(1, std::memory_order_relaxed);
+    if (spin_ns > 0) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+      for (int i = 1;; ++i) {
+        if (gen.load(std::memory_order_acquire) != g) return;
+        cpu_relax();
+        if ((i & 31) == 0 && std::chrono::steady_clock::now() > until) break;
+      }
+      slept.fetch_add(1, std::memory_order_relaxed);
+    }
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    while (gen.load(std::memory_order_seq_cst) == g) sleep_on(&gen, g);
+    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+};
+
+// Spin or not, per forward: spin (SPIN_US, env CODESPEC_SPIN_US, 0 never) until a forward's
+// waits often outlast the spin (more than one in 8: threads descheduled, the machine is
+// busy); then sleep at once for PAUSE forwards (doubling to 1024 while it stays busy)
+// before one forward tries spinning again.
+struct SpinPolicy {
+  std::atomic<int64_t> forwards{0}, skip_until{0}, pause{16};
+  int64_t spin_ns = -1;
+
+  int64_t spin_for_next() {
+    if (spin_ns < 0) {
+      const char* e = std::getenv("CODESPEC_SPIN_US");
+      const double us = e ? std::atof(e) : 50.0;
+      spin_ns = us > 0 ? static_cast<int64_t>(us * 1000.0) : 0;
+    }
+    return forwards.load() >= skip_until.load() ? spin_ns : 0;
+  }
+  void after(int64_t spun_ns, int64_t waits, int64_t slept) {
+    const int64_t n = forwards.fetch_add(1) + 1;
+    if (spun_ns <= 0 || waits == 0) return;
+    if (slept * 8 > waits) {
+      const int64_t p = pause.load();
+      skip_until.store(n + p);
+      pause.store(p < 1024 ? 2 * p : 1024);
+    } else {
+      pause.store(16);
+    }
+  }
+};
+
+SpinPolicy& spin_policy() {
+  static SpinPolicy p;
+  return p;
+}
+
+// Whether a forward can run as one region: int8 products over GGUF blocks for every matrix.
+bool team_ok(const Model& m) {
+  if (!m.int8 || m.head.kind < 0) return false;
+  for (int64_t l = 0; l < m.layers; ++l) {
+    const Layer& L = m.layer[l];
+    for (int64_t i = 0; i < L.nqkv; ++i)
+      if (L.qkv[i].kind < 0) return false;
+    for (int64_t i = 0; i < L.ngu; ++i)
+      if (L.gu[i].kind < 0) return false;
+    if (L.o.kind < 0 || L.down.kind < 0) return false;
+  }
+  return true;
+}
+
 // cs_qgemm_i8's path for an ISA of cs_qgemm's: AVX-512 with VNNI where the CPU has it
 // (code 3), else AVX2; scalar stays scalar. Its rows agree on every path.
 int i8_isa(int isa) {
@@ -290,9 +427,29 @@ int i8_isa(int isa) {
   return isa;
 }
 
-// y[:, col..] = x @ W (+ bias) (+ res) for each matrix, side by side.
+// y[:, col..] = x @ W (+ bias) (+ res) for each matrix, side by side. Block matrices with
+// int8 products go to one cs_qgemm_i8_many call (x quantized once, one parallel region).
 bool products(const Model& m, const Fwd& f, const Mat* mats, int64_t n, int64_t M,
               const float* x, int64_t ldx, float* y, int64_t ldy, const float* res) {
+  constexpr int64_t MOST = 8;
+  bool together = m.int8 && n > 1 && n <= MOST;
+  for (int64_t i = 0; together && i < n; ++i) together = mats[i].kind >= 0 && mats[i].k == mats[0].k;
+  if (together) {
+    int types[MOST];
+    const uint8_t* P[MOST];
+    int64_t N[MOST];
+    const float* bias[MOST];
+    bool big = M >= THREADED_ROWS;
+    for (int64_t i = 0; i < n; ++i) {
+      types[i] = mats[i].kind;
+      P[i] = static_cast<const uint8_t*>(mats[i].p);
+      N[i] = mats[i].n;
+      bias[i] = mats[i].bias;
+      big = big || mats[i].n * mats[i].k >= THREADED_WEIGHTS;
+    }
+    return cs_qgemm_i8_many(n, types, x, M, mats[0].k, ldx, P, N, y, ldy, bias, res, ldy,
+                            big ? f.threads : 1, i8_isa(f.isa)) == 0;
+  }
   int64_t col = 0;
   for (int64_t i = 0; i < n; ++i) {
     const Mat& w = mats[i];
@@ -559,11 +716,34 @@ extern "C" {
 
 int cs_lean_version() { return 1; }
 
+// Forwards run as one parallel region so far (team_ok), for tests and diagnostics.
+int64_t cs_lean_team_forwards() { return spin_policy().forwards.load(); }
+
 // The forward (see Fwd). Returns 0; -1 a product refused (an unknown type, a missing
 // panel product), -2 a bad layout (a position outside the RoPE tables, a token seeing a
 // later one or not itself), -3 an ISA this CPU lacks or an unsupported head dimension.
 int cs_lean_forward(const Model* m, const Fwd* f) {
   if (pad16(m->head_dim) > MAX_DP || !cs_q_isa_ok(f->isa)) return -3;
+  // CODESPEC_LEAN_REGIONS=per-product: a region per product as for the other weights (for
+  // comparisons; the numbers are the same)
+  const char* regions = std::getenv("CODESPEC_LEAN_REGIONS");
+  const bool per_product = regions && strcmp(regions, "per-product") == 0;
+  if (!per_product && team_ok(*m)) {
+    thread_local Barrier bar;
+    SpinPolicy& sp = spin_policy();
+    bar.spin_ns = sp.spin_for_next();
+    bar.waits = 0;
+    bar.slept = 0;
+    int rc;
+#ifdef LS_X86
+    if (f->isa >= 2) rc = z5::forward_team(*m, *f, bar);
+    else if (f->isa == 1) rc = z2::forward_team(*m, *f, bar);
+    else
+#endif
+      rc = zs::forward_team(*m, *f, bar);
+    sp.after(bar.spin_ns, bar.waits.load(), bar.slept.load());
+    return rc;
+  }
 #ifdef LS_X86
   if (f->isa >= 2) return z5::forward(*m, *f);
   if (f->isa == 1) return z2::forward(*m, *f);
