@@ -104,6 +104,11 @@ class Completion(_Section):
     # After an open, and after this long without a change to a document, the daemon
     # pre-fills the prompt a completion at the last edit would use (0: never).
     warm_after_s: Annotated[float, Meta(ge=0.0)] = 0.15
+    # A completion at a cold spot (a jump: more than this many of its prompt's tokens are
+    # in no KV cache) uses only the last ~this many prefix tokens, so that its prefill
+    # stays short (~0.6 s on 2 CPU cores instead of ~2.5 s for 1,024); the whole window
+    # comes back once a pause has pre-filled it (warm_after_s). 0: always the whole window.
+    cold_tokens: Annotated[int, Meta(ge=0)] = 256
 
 
 class Workspace(_Section):

@@ -288,3 +288,43 @@ def test_the_daemon_warms_the_prompt_after_open_and_after_a_pause(daemon):
         r = c.request("complete", {"uri": "file:///warm.py", "position": at, "max_tokens": 2})
         assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
         c.request("close", {"uri": "file:///warm.py"})
+
+
+def test_a_cold_spot_takes_a_short_window_until_a_pause_warms_the_whole_one(daemon):
+    """A completion where no cache holds its prompt (a jump far into a long document) uses
+    the last ~completion.cold_tokens prefix tokens, so its prefill stays short; the next
+    keystroke there re-feeds ~1 token of that short prompt; after a pause has warmed the
+    whole window, completions use the whole window again."""
+    cold = daemon.server.config.completion.cold_tokens
+    lines = [f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(200)]
+    text = "".join(lines)  # ~4,000 tokens
+    uri = "file:///cold.py"
+    wait_idle(daemon.server.scheduler)
+    time.sleep(0.3)  # an earlier test's pending warm-up has run
+    with Client(daemon.socket_path) as c:
+        c.request("open", {"uri": uri, "text": text, "version": 1})
+        wait_idle(daemon.server.scheduler)
+        before = c.request("stats")["requests"]["cold_windows"]
+        spot = {"line": 3 * 80 + 1, "character": 4}  # the middle: far from the warmed end
+        r = c.request("complete", {"uri": uri, "position": spot, "max_tokens": 2})
+        assert c.request("stats")["requests"]["cold_windows"] == before + 1
+        assert r["stats"]["prompt_tokens"] <= cold + 8  # the short window, fed whole
+        first = r["stats"]["prompt_tokens"]
+        r = c.request("complete", {"uri": uri, "position": spot, "max_tokens": 2})
+        assert c.request("stats")["requests"]["cold_windows"] == before + 2  # still cold
+        assert r["stats"]["prompt_tokens"] == first
+        assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
+        warmed = c.request("stats")["requests"]["warmed"]
+        change = {"range": {"start": spot, "end": spot}, "text": "("}
+        c.request("change", {"uri": uri, "version": 2, "changes": [change]})
+        deadline = time.monotonic() + 60
+        while c.request("stats")["requests"]["warmed"] < warmed + 1:
+            assert time.monotonic() < deadline, "the pause was never warmed"
+            time.sleep(0.02)
+        wait_idle(daemon.server.scheduler)
+        at = {"line": spot["line"], "character": 5}
+        r = c.request("complete", {"uri": uri, "position": at, "max_tokens": 2})
+        assert c.request("stats")["requests"]["cold_windows"] == before + 2
+        assert r["stats"]["prompt_tokens"] > 3 * cold  # the whole window, warm
+        assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
+        c.request("close", {"uri": uri})

@@ -228,6 +228,11 @@ class Engine(ModelTarget):
         self.slots.record_prompt(prompt, common, out.hidden if taps else None)
         return out.logits[-1:], common
 
+    def cached_tokens(self, prompt: list[int]) -> int:
+        """Leading ``prompt`` tokens some cache slot holds (what a request with it would
+        not prefill)."""
+        return self.slots.cached(prompt)
+
     def warm(self, prompt: list[int], yield_to: Callable[[], bool], chunk: int = 128) -> int:
         """Prefill ``prompt`` but its last token into its cache slot ahead of a request,
         ``chunk`` tokens at a time, stopping early when ``yield_to()`` says a request

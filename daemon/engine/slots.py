@@ -106,6 +106,15 @@ class CacheSlots:
         self.cached_ids = slot.cached_ids
         self.taps, self.tap_buf, self.tap_valid = slot.taps, slot.tap_buf, slot.tap_valid
 
+    def cached(self, prompt: list[int]) -> int:
+        """Leading ``prompt`` tokens some slot (the active one or an idle one) holds: what
+        a request with it would not prefill (at most all but its last token)."""
+        active = min(len(self.cached_ids), self.runner.length)
+        best = shared_prefix(self.cached_ids[:active], prompt)
+        for slot in self.idle:
+            best = max(best, shared_prefix(slot.cached_ids, prompt))
+        return min(best, max(0, len(prompt) - 1))
+
     def reusable(self, prompt: list[int], taps: tuple[int, ...]) -> int:
         """Leading prompt tokens whose KV (and, with ``taps``, hidden states) are cached;
         never the whole prompt (its last token must be fed to get logits), never past what

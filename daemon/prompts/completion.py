@@ -26,6 +26,7 @@ from codespec.daemon.text.healing import heal_prompt
 from codespec.daemon.text.tracker import TextTracker, region_shape
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
+COLD_BLOCK = 64  # the same for a cold spot's short window (see CompletionPrompt.cold_ids)
 SUFFIX_TOKENS = 128  # the most suffix tokens a prompt carries (all re-fed per keystroke)
 CHARS_PER_TOKEN_CAP = 12  # text read around the cursor: budget * this many characters
 FILE_SEP = "<file_sep>"  # StarCoder-style repository layout (SmolLM2's tokenizer has it)
@@ -71,16 +72,16 @@ class EditPrompt:
     region: tuple[int, int] | None = None
 
 
-def _window_prefix(prefix_ids: list[int], room: int) -> list[int]:
-    """The prefix's last ``room`` tokens at most, its start on a PREFIX_BLOCK grid.
+def _window_prefix(prefix_ids: list[int], room: int, block: int = PREFIX_BLOCK) -> list[int]:
+    """The prefix's last ``room`` tokens at most, its start on a ``block`` grid.
 
     Cutting at ``len - room`` would move the prompt's start with every keystroke
-    and defeat prefix reuse; on a grid the start moves once per PREFIX_BLOCK tokens.
+    and defeat prefix reuse; on a grid the start moves once per ``block`` tokens.
     """
     excess = len(prefix_ids) - room
     if excess <= 0:
         return prefix_ids
-    start = -(-excess // PREFIX_BLOCK) * PREFIX_BLOCK
+    start = -(-excess // block) * block
     return prefix_ids[start:]
 
 
@@ -110,6 +111,10 @@ class CompletionPrompt:
     stop_lines: tuple[str, ...] = ()
     first_line_counts: bool = False
     snippets: list[crossfile.Snippet] = field(default_factory=list)
+    # The same prompt with at most ``cold_tokens`` of the prefix (its start on a
+    # COLD_BLOCK grid), or None (no shorter one): what a completion at a spot with
+    # nothing cached uses, so that its prefill stays short (scheduler.Job.cold_ids)
+    cold_ids: list[int] | None = None
 
 
 def file_label(uri: str) -> str:
@@ -133,6 +138,7 @@ def complete_prompt(
     uri: str = "",
     snippets: list[crossfile.Snippet] | None = None,
     heal: bool = True,
+    cold_tokens: int = 0,
 ) -> CompletionPrompt:
     """The prompt for a completion at ``offset`` of ``text``.
 
@@ -143,7 +149,8 @@ def complete_prompt(
     off for healing (``heal``). The prompt holds at most ``context_tokens`` tokens
     (default: the model's whole context), leaving room for ``max_tokens``; snippets get
     at most a third of it. The suffix the model cannot see still ends the completion
-    (``stop_lines``).
+    (``stop_lines``). ``cold_tokens`` > 0: also the prompt with at most that many prefix
+    tokens (``cold_ids``), when it is shorter.
     """
     window = min(engine.max_length, context_tokens or engine.max_length)
     budget = min(window, engine.max_length - max_tokens - 1)
@@ -160,7 +167,11 @@ def complete_prompt(
         suf_room = min(len(suffix_ids), SUFFIX_TOKENS, (budget - 3) // 4)
         pre = _window_prefix(prefix_ids, budget - 3 - suf_room)
         ids = fim_prompt(engine.fim, pre, suffix_ids[:suf_room], budget)
-        return CompletionPrompt(ids, "", stops, first_counts)
+        cold = None
+        if 0 < cold_tokens < len(pre):
+            short = _window_prefix(pre, cold_tokens, COLD_BLOCK)
+            cold = fim_prompt(engine.fim, short, suffix_ids[:suf_room], budget)
+        return CompletionPrompt(ids, "", stops, first_counts, cold_ids=cold)
     head: list[int] = []
     used: list[crossfile.Snippet] = []
     if _repo_layout(engine) and (uri or snippets):
@@ -174,11 +185,18 @@ def complete_prompt(
         head += engine.encode(f"{file_label(uri)}\n")
     if not prefix_ids and not head:
         raise ProtocolError(BAD_PARAMS, "nothing before the cursor to complete from")
-    ids = head + _window_prefix(prefix_ids, budget - len(head))
+    pre = _window_prefix(prefix_ids, budget - len(head))
+    ids = head + pre
+    cold = None
+    if 0 < cold_tokens < len(pre):
+        cold = head + _window_prefix(pre, cold_tokens, COLD_BLOCK)
     healed = ""
     if heal and prefix_ids:
         ids, healed = heal_prompt(engine, ids)
-    return CompletionPrompt(ids, healed, stops, first_counts, used)
+        if cold is not None:
+            cold, cold_healed = heal_prompt(engine, cold)
+            cold = cold if cold_healed == healed else None  # the same text to skip, else none
+    return CompletionPrompt(ids, healed, stops, first_counts, used, cold)
 
 
 CONTEXTS = ("none", "header", "crossfile")
@@ -194,6 +212,7 @@ class Prepared:
     tracker: TextTracker
     draft_ids: list[int] | None = None
     mode: str = ""
+    cold_ids: list[int] | None = None  # a shorter prompt for a cold spot (completions)
 
 
 def prepare_complete(
@@ -207,11 +226,13 @@ def prepare_complete(
     context_tokens: int,
     context: str = "none",
     stop: list[str] | None = None,
+    cold_tokens: int = 0,
 ) -> Prepared:
     """A completion at ``offset`` of the open document ``doc``: the prompt, the healing
     constraint, the stop rules (single-line completions stop at a line break).
     ``context``: ``none`` (the prefix alone), ``header`` (under a ``<file_sep>path``
-    line) or ``crossfile`` (after snippets of the other recent ``documents``)."""
+    line) or ``crossfile`` (after snippets of the other recent ``documents``).
+    ``cold_tokens``: see :func:`complete_prompt` (``Prepared.cold_ids``)."""
     if context not in CONTEXTS:
         raise ValueError(f"context must be one of {', '.join(CONTEXTS)}")
     picked: list[crossfile.Snippet] = []
@@ -227,6 +248,7 @@ def prepare_complete(
         context_tokens,
         uri=doc.uri if context != "none" else "",
         snippets=picked,
+        cold_tokens=cold_tokens,
     )
     stops = list(stop or []) if multiline else ["\n", "\r", *(stop or [])]
     tracker = TextTracker(
@@ -238,7 +260,9 @@ def prepare_complete(
         first_line_counts=cp.first_line_counts,
         cut_loops=True,
     )
-    return Prepared(cp.prompt_ids, healing.constraint(engine, cp.heal), tracker)
+    return Prepared(
+        cp.prompt_ids, healing.constraint(engine, cp.heal), tracker, cold_ids=cp.cold_ids
+    )
 
 
 def prepare_edit(engine: Any, ep: EditPrompt, old: str, stop: list[str] | None = None) -> Prepared:
