@@ -33,7 +33,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
 
     [completion]
     context = "none"          # none | header | crossfile (what precedes the prefix)
-    warm_after_s = 0.15       # a typing pause after which the prompt at the cursor is pre-filled
+    warm_after_s = 0.4        # a typing pause after which the prompt at the cursor is pre-filled
 
     [workspace]
     max_file_bytes = 1000000
@@ -102,8 +102,10 @@ class Completion(_Section):
     # match (codespec bench quality; README, "Completion quality").
     context: Literal["none", "header", "crossfile"] = "none"
     # After an open, and after this long without a change to a document, the daemon
-    # pre-fills the prompt a completion at the last edit would use (0: never).
-    warm_after_s: Annotated[float, Meta(ge=0.0)] = 0.15
+    # pre-fills the prompt a completion at the last edit would use (0: never). Longer
+    # than the gap between keystrokes of someone typing (~150-250 ms): a warm-up between
+    # keystrokes makes the next completion wait for its forward in flight.
+    warm_after_s: Annotated[float, Meta(ge=0.0)] = 0.4
     # A completion at a cold spot (a jump: more than this many of its prompt's tokens are
     # in no KV cache) uses only the last ~this many prefix tokens, so that its prefill
     # stays short (~0.6 s on 2 CPU cores instead of ~2.5 s for 1,024); the whole window

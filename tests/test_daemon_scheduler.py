@@ -266,7 +266,7 @@ def test_the_daemon_warms_the_prompt_after_open_and_after_a_pause(daemon):
     the daemon pre-fills the completion's prompt, so the completion re-feeds ~1 token."""
     text = "import os\n\n\ndef walk(root):\n" + "    x = os.path.join(root, 'a')\n" * 20
     wait_idle(daemon.server.scheduler)
-    time.sleep(0.3)  # past warm_after_s: an earlier test's pending warm-up has run
+    time.sleep(0.6)  # past warm_after_s: an earlier test's pending warm-up has run
     wait_idle(daemon.server.scheduler)
     with Client(daemon.socket_path) as c:
         before = c.request("stats")["requests"]["warmed"]
@@ -300,7 +300,7 @@ def test_a_cold_spot_takes_a_short_window_until_a_pause_warms_the_whole_one(daem
     text = "".join(lines)  # ~4,000 tokens
     uri = "file:///cold.py"
     wait_idle(daemon.server.scheduler)
-    time.sleep(0.3)  # an earlier test's pending warm-up has run
+    time.sleep(0.6)  # an earlier test's pending warm-up has run
     with Client(daemon.socket_path) as c:
         c.request("open", {"uri": uri, "text": text, "version": 1})
         wait_idle(daemon.server.scheduler)
