@@ -158,6 +158,8 @@ class NgramProposer:
     def begin(self, request: RequestInfo) -> None:
         self._uri = request.uri
         self._context = SequenceMatcher(self.min_n)
+        if self.use_context:  # the prompt's table now, so each propose only extends it
+            self._context.extend(request.prompt_ids)
         self._prompt_len = len(request.prompt_ids)
         self._prediction = None
         if request.draft_text_ids:

@@ -13,7 +13,8 @@ Measured (each step, from the engine's :class:`~codespec.speculators.draft.StepR
 and the controller's own clock): the verify forward's ms by size
 (:class:`~codespec.speculators.costs.ForwardCosts`), the rest of a step (what is
 neither the forward nor a proposer: stop rules, detokenizing, streaming), each
-proposer's own time against the nodes it offers, per-node acceptance
+proposer's own time against the nodes it offers (not its first ask in a request, which
+may catch up on the prompt), per-node acceptance
 (``acceptance.py``: per source, match length, depth, first or later sibling) and
 each proposer's realised tokens per ms over the steps it was in charge of.
 
@@ -66,7 +67,7 @@ from codespec.speculators.weights import weights_summary
 
 __all__ = ["Controller", "seed_costs", "summary"]
 
-CHEAP = 0.1  # own time, as a share of a plain step, of a proposer asked every step
+CHEAP = 0.25  # own time, as a share of a plain step, of a proposer asked every step
 MARGIN = 0.05  # a costly proposer takes over from a cheaper choice when this much faster
 TRIAL_STEPS = 4  # steps a costly proposer stays in charge when tried
 FIRST_GAP, MAX_GAP = 32, 512  # steps before a losing costly proposer is tried again
@@ -109,6 +110,7 @@ class _Child:
             self.rows = slice(rows[0], rows[0] + len(rows))
         self.backoff = Backoff(1, MOST_SKIPPED)
         self.source = name  # the source of its last draft's first node
+        self.asked = False  # asked in this request (its first ask may catch up on the prompt)
 
     def hidden(self, h: Any) -> Any:
         if h is None or not self.taps:
@@ -172,6 +174,7 @@ class Controller:
         self.choice, self.trial, self._t_step, self._tokens = "plain", None, 0.0, 0
         self._rates = {}
         for child in self.children.values():
+            child.asked = False
             child.p.begin(request)
 
     def prefilled(self, hidden: Any) -> None:
@@ -257,7 +260,9 @@ class Controller:
         ms = (time.perf_counter() - t0) * 1000
         self._own += ms
         nodes = len(draft) if draft is not None else 0
-        self.store.own.setdefault(child.name, Line()).add(nodes, ms)
+        if child.asked:  # a first ask's catching up on the prompt is not a step's cost
+            self.store.own.setdefault(child.name, Line()).add(nodes, ms)
+        child.asked = True
         if draft is None or not nodes:
             return _Offer(child, None, 1.0 / step_ms[0])
         draft = draft.truncated(budget)
