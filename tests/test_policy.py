@@ -318,6 +318,25 @@ def test_a_slow_first_ask_does_not_make_a_proposer_costly(engine):
     assert store.own["ngram"].at(16) < 25.0 and not store.retired
 
 
+def test_later_cheap_proposers_are_not_asked_when_an_earlier_offer_is_enough(engine):
+    """A cheap proposer whose drafts are accepted whole fills the step: the next cheap one
+    is not asked (its own time would be spent for nothing); with nothing offered before
+    it, it is asked every step."""
+    prompt = heldout_prompts(engine, 1, tokens=120, seed=8)[0]
+    oracle = plain(engine, prompt, 40)
+    second = Fixed([1, 2, 3])
+    good = ScriptedProposer(oracle, "correct", engine.runner.vocab_size)
+    ctl = Controller(engine, {"ngram": good, "fixed": second}, PolicyStore())
+    out, _ = run(engine, prompt, ctl)
+    assert out == oracle and second.asked == 0
+    alone = Fixed([1, 2, 3])
+    silent = ScriptedProposer(oracle, "correct", engine.runner.vocab_size)
+    silent.propose = lambda context, budget: None  # type: ignore[method-assign]
+    ctl = Controller(engine, {"ngram": silent, "fixed": alone}, PolicyStore())
+    run(engine, prompt, ctl)
+    assert alone.asked > 0
+
+
 def test_a_far_loser_retires_and_comes_back_for_one_trial(engine):
     """A costly proposer far slower than plain decoding stops being built (no per-step
     cost) until its retirement ends, then gets one fresh trial."""
