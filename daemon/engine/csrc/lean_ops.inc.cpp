@@ -257,10 +257,12 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
   if (R) chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p);
 }
 
-// Row (h, t, g)'s chunks merged in order: out = sum_c o_c e_c / sum_c l_c e_c with
+// Attention row `row` = (h, t, g) (KV head, token, query head of the group): its chunks
+// merged in order into its place in A.out, out = sum_c o_c e_c / sum_c l_c e_c with
 // e_c = exp(m_c - max m).
-void merge_row(const Attn& A, int64_t h, int64_t t, int64_t g, float* out) {
-  const int64_t row = (h * A.T + t) * A.G + g, Dp = A.Dp;
+void merge_row(const Attn& A, int64_t row) {
+  const int64_t h = row / (A.T * A.G), t = (row / A.G) % A.T, g = row % A.G, Dp = A.Dp;
+  float* out = A.out + t * A.NH * A.D + (h * A.G + g) * A.D;
   const float* part = A.part + row * A.nchunk * (Dp + 2);
   const int64_t nch = (A.len[t] + CHUNK - 1) / CHUNK;
   float M = -INFINITY;
@@ -285,10 +287,7 @@ void attention(const Attn& A, const std::vector<Task>& tasks, int64_t threads) {
   const int64_t rows = A.KV * A.T * A.G;
   const int64_t tm = threads < rows ? threads : rows;
 #pragma omp parallel for num_threads(tm) schedule(static) if (tm > 1 && rows >= 64)
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t h = i / (A.T * A.G), t = (i / A.G) % A.T, g = i % A.G;
-    merge_row(A, h, t, g, A.out + t * A.NH * A.D + (h * A.G + g) * A.D);
-  }
+  for (int64_t i = 0; i < rows; ++i) merge_row(A, i);
 }
 
 // The decoder stack over T tokens (see cs_lean_forward).
@@ -391,10 +390,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       bar.wait();
       int64_t a0, a1;
       share(mrows, a0, a1);
-      for (int64_t i = a0; i < a1; ++i) {
-        const int64_t h = i / (T * G), t = (i / G) % T, g = i % G;
-        merge_row(A, h, t, g, b.o.data() + t * NH * D + (h * G + g) * D);
-      }
+      for (int64_t i = a0; i < a1; ++i) merge_row(A, i);
       bar.wait();
       cs_qgemm_i8_quantize(xq, b.o.data(), NH * D, NH * D, r0, r1, isa);
       bar.wait();

@@ -1711,6 +1711,28 @@ PanelFnI8 pick_i8(int isa, int t) {
   return panels_i8_scalar;
 }
 
+// A matrix's arguments and panel function for the int8 product; false for an unknown
+// type, K not a whole number of its blocks (and of 32) or no path for isa.
+bool i8_matrix(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* P,
+               int64_t N, float* y, int64_t ldy, const float* bias, const float* res,
+               int64_t ldr, const Xq* xq, int isa, ArgsI8& ai, PanelFnI8& fn) {
+  Desc ds;
+  if (!desc_of(t, ds) || K % ds.bk || K % 32) return false;
+  fn = pick_i8(isa, t);
+  ai = ArgsI8{{x, M, K, ldx, P, N, y, ldy, bias, res, ldr, t, (K / ds.bk) * 16 * ds.native,
+               (N + 15) / 16},
+              xq};
+  return fn != nullptr;
+}
+
+// The calling thread's reused quantization buffer (a forward makes ~150 products). Take
+// it before a parallel region and share the reference: inside the region the name would
+// be each worker thread's own (empty) buffer.
+Xq& thread_buffer() {
+  thread_local Xq buffer;
+  return buffer;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1723,7 +1745,7 @@ extern "C" {
 // nothing may quantize into the buffer until every thread's panels are done). The same
 // numbers as cs_qgemm_i8.
 void* cs_qgemm_i8_buffer(int64_t M, int64_t K) {
-  thread_local Xq buffer;
+  Xq& buffer = thread_buffer();
   size_xq(M, K, buffer);
   return &buffer;
 }
@@ -1736,13 +1758,11 @@ void cs_qgemm_i8_quantize(void* xq, const float* x, int64_t K, int64_t ldx, int6
 int cs_qgemm_i8_panels(const void* xq, int t, int64_t M, int64_t K, const uint8_t* P, int64_t N,
                        float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr,
                        int64_t p0, int64_t p1, int isa) {
-  Desc ds;
-  if (!desc_of(t, ds) || K % ds.bk || K % 32) return -1;
-  const PanelFnI8 fn = pick_i8(isa, t);
-  if (!fn) return -1;
-  const ArgsI8 ai{{nullptr, M, K, 0, P, N, y, ldy, bias, res, ldr, t,
-                   (K / ds.bk) * 16 * ds.native, (N + 15) / 16},
-                  static_cast<const Xq*>(xq)};
+  ArgsI8 ai;
+  PanelFnI8 fn;
+  if (!i8_matrix(t, nullptr, M, K, 0, P, N, y, ldy, bias, res, ldr, static_cast<const Xq*>(xq),
+                 isa, ai, fn))
+    return -1;
   if (p1 > p0) fn(ai, p0, p1);
   return 0;
 }
@@ -1771,23 +1791,15 @@ int cs_qgemm_i8_many(int64_t n, const int* types, const float* x, int64_t M, int
                      int64_t threads, int isa) {
   constexpr int64_t MOST = 8;
   if (n < 1 || n > MOST || !isa_ok(isa) || isa == ISA_AVX512 || K % 32) return -1;
-  // Reused: a forward makes ~150 of these calls. Reached through a pointer: inside the
-  // parallel region, the name would be each worker thread's own (empty) buffer.
-  thread_local Xq buffer;
-  Xq* const xp = &buffer;
+  Xq* const xp = &thread_buffer();
   ArgsI8 ai[MOST];
   PanelFnI8 fn[MOST];
   int64_t most = 0, col = 0;
   for (int64_t i = 0; i < n; ++i) {
-    Desc ds;
-    if (!desc_of(types[i], ds) || K % ds.bk) return -1;
-    fn[i] = pick_i8(isa, types[i]);
-    if (!fn[i]) return -1;
-    const int64_t npanel = (N[i] + 15) / 16;
-    ai[i] = ArgsI8{{x, M, K, ldx, P[i], N[i], y + col, ldy, bias[i], res ? res + col : nullptr,
-                    ldr, types[i], (K / ds.bk) * 16 * ds.native, npanel},
-                   xp};
-    most = npanel > most ? npanel : most;
+    if (!i8_matrix(types[i], x, M, K, ldx, P[i], N[i], y + col, ldy, bias[i],
+                   res ? res + col : nullptr, ldr, xp, isa, ai[i], fn[i]))
+      return -1;
+    most = ai[i].a.npanel > most ? ai[i].a.npanel : most;
     col += N[i];
   }
   size_xq(M, K, *xp);
