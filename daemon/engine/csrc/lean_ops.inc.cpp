@@ -148,7 +148,7 @@ void chunk_rows(const float* const* q, const int64_t* nvalid, int64_t nk, int64_
                 const uint16_t* const* ktile, const uint16_t* const* vrow, float* const* part) {
   alignas(64) float s[R * CHUNK];
   const int64_t ntile = (nk + 15) / 16;
-  constexpr int TT = R <= 2 ? 4 : 2;
+  constexpr int TT = score_tiles_for(R);
   int64_t i = 0;
   for (; i + TT <= ntile; i += TT) score_tiles<R, TT>(q, D, ktile + i, s + 16 * i, CHUNK);
   for (; i < ntile; ++i) score_tiles<R, 1>(q, D, ktile + i, s + 16 * i, CHUNK);
@@ -167,11 +167,12 @@ void chunk_rows(const float* const* q, const int64_t* nvalid, int64_t nk, int64_
     part[r][0] = m;
     part[r][1] = vhsum(l);
   }
+  constexpr int NC = value_chunks_for(R);
   for (int64_t dc = 0; dc < Dp;) {
     const int64_t left = (Dp - dc) / 16;
-    if (left >= PV_CHUNKS) {
-      weigh_keys<R, PV_CHUNKS>(s, CHUNK, nk, vrow, dc, part);
-      dc += 16 * PV_CHUNKS;
+    if (left >= NC) {
+      weigh_keys<R, NC>(s, CHUNK, nk, vrow, dc, part);
+      dc += 16 * NC;
     } else {
       weigh_keys<R, 1>(s, CHUNK, nk, vrow, dc, part);
       dc += 16;
@@ -181,11 +182,14 @@ void chunk_rows(const float* const* q, const int64_t* nvalid, int64_t nk, int64_
 
 void chunk_any(int R, const float* const* q, const int64_t* nvalid, int64_t nk, int64_t D,
                int64_t Dp, const uint16_t* const* kt, const uint16_t* const* vr, float* const* p) {
+  static_assert(ATT_ROWS >= 1 && ATT_ROWS <= 6, "chunk_any covers 1 to 6 rows");
   switch (R) {
     case 1: chunk_rows<1>(q, nvalid, nk, D, Dp, kt, vr, p); break;
-    case 2: chunk_rows<2>(q, nvalid, nk, D, Dp, kt, vr, p); break;
-    case 3: chunk_rows<3>(q, nvalid, nk, D, Dp, kt, vr, p); break;
-    default: chunk_rows<4>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    case 2: chunk_rows<ATT_ROWS < 2 ? ATT_ROWS : 2>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    case 3: chunk_rows<ATT_ROWS < 3 ? ATT_ROWS : 3>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    case 4: chunk_rows<ATT_ROWS < 4 ? ATT_ROWS : 4>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    case 5: chunk_rows<ATT_ROWS < 5 ? ATT_ROWS : 5>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    default: chunk_rows<ATT_ROWS>(q, nvalid, nk, D, Dp, kt, vr, p); break;
   }
 }
 
@@ -233,9 +237,9 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
   const uint16_t* vrow[CHUNK];
   chunk_sources(A, h, tk, ktile, vrow, gbuf.data());
   const int64_t c0 = tk.c * CHUNK;
-  const float* q[4];
-  float* p[4];
-  int64_t nv[4];
+  const float* q[ATT_ROWS];
+  float* p[ATT_ROWS];
+  int64_t nv[ATT_ROWS];
   int R = 0;
   int64_t nk = 0;
   for (int64_t t = tk.t0; t < tk.t1; ++t) {
@@ -247,7 +251,7 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
       p[R] = A.part + (row * A.nchunk + tk.c) * (A.Dp + 2);
       nv[R] = n;
       nk = n > nk ? n : nk;
-      if (++R == 4) {
+      if (++R == ATT_ROWS) {
         chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p);
         R = 0;
         nk = 0;

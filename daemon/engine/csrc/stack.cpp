@@ -568,7 +568,11 @@ inline float vhmax(V a) {
   return s[0] > s[1] ? s[0] : s[1];
 }
 inline uint16_t f2h(float x) { return f2h_soft(x); }
-constexpr int PV_CHUNKS = 2;  // value columns / 16 per pass
+// Attention tiles (lean_ops.inc.cpp): rows per kernel call, key tiles of 16 per score
+// pass and value columns / 16 per weighing pass, for R rows.
+constexpr int ATT_ROWS = 4;
+constexpr int score_tiles_for(int R) { return R <= 2 ? 4 : 2; }
+constexpr int value_chunks_for(int) { return 2; }
 
 #include "lean_ops.inc.cpp"
 
@@ -645,7 +649,14 @@ inline float vhmax(V a) {
   return _mm_cvtss_f32(_mm_max_ss(w, _mm_shuffle_ps(w, w, 1)));
 }
 inline uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
-constexpr int PV_CHUNKS = 2;  // 16 ymm: R x 2 x 2 accumulators
+// Attention tiles: R rows x n tiles (or value chunks) take R * n accumulators and n loaded
+// operands, two ymm each, beside one broadcast: n = 7 / (R + 1) keeps them in the 16 ymm
+// (R 4 x 2 tiles spilled a third of the kernel's time to the stack). Up to 6 rows a call
+// (a shared task has 8 tokens x 3 query heads of a group on the default model).
+constexpr int ATT_ROWS = 6;
+constexpr int fit_ymm(int R, int most) { return 7 / (R + 1) < 1 ? 1 : 7 / (R + 1) > most ? most : 7 / (R + 1); }
+constexpr int score_tiles_for(int R) { return fit_ymm(R, 4); }
+constexpr int value_chunks_for(int R) { return fit_ymm(R, 4); }
 
 #include "lean_ops.inc.cpp"
 
@@ -703,7 +714,10 @@ inline float vhmax(V a) {
   return _mm_cvtss_f32(_mm_max_ss(w, _mm_shuffle_ps(w, w, 1)));
 }
 inline uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
-constexpr int PV_CHUNKS = 4;  // 32 zmm: up to 4 rows x 4 accumulators
+// Attention tiles in 32 zmm: up to 4 rows x 4 accumulators.
+constexpr int ATT_ROWS = 4;
+constexpr int score_tiles_for(int R) { return R <= 2 ? 4 : 2; }
+constexpr int value_chunks_for(int) { return 4; }
 
 #include "lean_ops.inc.cpp"
 
