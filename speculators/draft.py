@@ -34,6 +34,12 @@ from typing import Protocol
 
 import torch
 
+# Draft sources whose proposer reads the verify forward's logits at its nodes after the
+# step (lookahead's window: its Jacobi update). A greedy verification of a draft without
+# them reads only the accepted path's rows, so the runner may stop its LM head at the
+# first row that breaks the chain (``Runner.forward``'s ``greedy_chain``).
+ROW_READERS: set[str] = set()
+
 
 @dataclass
 class Draft:
@@ -78,6 +84,11 @@ class Draft:
     def is_chain(self) -> bool:
         assert self.parents is not None
         return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @property
+    def reads_rows(self) -> bool:
+        """Whether a proposer reads the verify rows of its nodes (see ROW_READERS)."""
+        return self.sources is not None and any(s in ROW_READERS for s in self.sources)
 
     @property
     def levels(self) -> list[int]:
@@ -188,7 +199,9 @@ class StepResult:
     tokens: list[int] = field(default_factory=list)  # accepted draft tokens + bonus
     # The verify forward's rows (row 0 = root, row i + 1 = draft node i): logits (R, V) and,
     # when the proposer asked for taps, hidden states (R, len(taps), H). Proposers that
-    # learn from the target (lookahead's Jacobi window, EAGLE's head) read them here.
+    # learn from the target (lookahead's Jacobi window, EAGLE's head) read them here; a
+    # draft whose logit rows are read must say so (ROW_READERS): for other greedy chains
+    # the logits may end at the first row that broke the chain.
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     # The verify forward's wall time (ms, the verification included) and the number of

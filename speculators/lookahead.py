@@ -80,7 +80,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from codespec.speculators.draft import Draft, RequestInfo, StepResult
+from codespec.speculators.draft import ROW_READERS, Draft, RequestInfo, StepResult
 
 __all__ = [
     "LookaheadProposer",
@@ -94,6 +94,7 @@ __all__ = [
 
 POOL = "lookahead:pool"
 WINDOW = "lookahead:window"
+ROW_READERS.add(WINDOW)  # _iterate reads the logits of the window's rows
 MAX_DOCUMENTS = 64  # pools kept per engine (least recently used dropped first)
 
 # Defaults: chosen with `codespec bench lookahead /tmp/wl/novel.jsonl --threads 1`.

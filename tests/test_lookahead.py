@@ -49,6 +49,8 @@ def test_window_tree_has_diagonal_parents_and_depths_equal_to_offsets() -> None:
     prop.begin(RequestInfo(prompt_ids=prompt))
     d1 = prop.propose(prompt, budget=16)
     assert d1 is not None and d1.parents == [-1, 0, 1, 2]  # one level until the first update
+    # a chain, but the update below reads its rows: the verify forward keeps them all
+    assert d1.is_chain and d1.reads_rows
     # The update: the argmax at level-0 column j is the level-1 guess for column j + 1.
     prop.observe(StepResult(d1, [], 5, [5], logits=logits_for(d1, {1: 40, 2: 41, 3: 42, 4: 43})))
     context = [*prompt, 5]
@@ -144,6 +146,7 @@ def test_pool_branch_comes_first_and_small_budgets_fit() -> None:
         d = prop.propose(prompt, budget=budget)
         assert d is not None and len(d) <= budget
         assert d.source(0) == POOL and d.tokens[0] == 4
+        assert d.reads_rows == (WINDOW in (d.sources or []))
     prop = LookaheadProposer(window=4, ngram=3, guesses=2)
     prop.begin(RequestInfo(prompt_ids=prompt))
     d = prop.propose(prompt, budget=5)

@@ -244,6 +244,58 @@ def test_one_region_forward_equals_a_region_per_product(model_file: Path, monkey
             assert torch.equal(a, b), f"threads={threads}"
 
 
+def _greedy_break(logits: torch.Tensor, ids: list[int]) -> int | None:
+    """The first row t < T - 1 whose greedy token is not ids[t + 1] (None: the chain holds)."""
+    best = logits.argmax(dim=-1).tolist()
+    return next((t for t in range(len(ids) - 1) if best[t] != ids[t + 1]), None)
+
+
+@pytest.mark.parametrize("regions", ["one", "per-product"])
+@pytest.mark.parametrize("int8", [True, False])
+def test_a_greedy_chain_stops_the_lm_head_at_its_first_break(
+    model_file: Path, regions: str, int8: bool, monkeypatch
+) -> None:
+    """greedy_chain: the stack computes logits 4 rows first, then the rest, and stops after
+    the chunk holding the first row whose greedy token breaks the chain; the rows it gives
+    equal the full forward's bit for bit, and the cache is the same (one-region and
+    per-product forwards, int8 and exact products)."""
+    if int8 and not quant_gemm.i8_available():
+        pytest.skip("no int8 product path on this CPU")
+    monkeypatch.setenv("CODESPEC_LEAN_REGIONS", regions)
+    runner = LeanRunner.from_gguf(model_file, max_length=128, int8=int8)
+    v = runner.vocab_size
+    prompt = _ids(20, 21, v)
+    runner.forward(prompt[:-1], last_only=True)  # the last prompt token is the root
+    # the model's own greedy continuation (no break), then chains broken at rows 0, 2, 5
+    ids = [prompt[-1]]
+    for _ in range(9):
+        out = runner.forward([ids[-1]])
+        ids.append(int(out.logits[-1].argmax()))
+    runner.truncate(19)
+    chains = [ids]
+    for at in (0, 2, 5):
+        broken = list(ids)
+        broken[at + 1] = (broken[at + 1] + 1) % v
+        chains.append(broken)
+    seen = set()
+    for chain in chains:
+        full = runner.forward(chain)
+        kv_full = runner.kv.clone()
+        runner.truncate(19)
+        got = runner.forward(chain, greedy_chain=True)
+        assert torch.equal(runner.kv, kv_full)
+        runner.truncate(19)
+        k = _greedy_break(full.logits, chain)
+        want = len(chain) if k is None or k >= 4 else 4
+        assert got.logits.shape == (want, v), (k, got.logits.shape)
+        assert torch.equal(got.logits, full.logits[:want])
+        seen.add(want)
+    assert seen == {4, len(ids)}  # both a stop and a whole chain were seen
+    # a tree and a one-token forward are never cut
+    tree = runner.forward(ids[:4], parents=[-1, 0, 0, 1], greedy_chain=True)
+    assert tree.logits.shape == (4, v)
+
+
 def test_taps_and_last_only(model_file: Path) -> None:
     """Taps 0 .. L (tap L before the final norm) and a last-row-only prefill, as the torch
     runner on the same weights gives them."""

@@ -152,7 +152,9 @@ class Step:
 @dataclass
 class Verified:
     """What :meth:`Engine.verify_step` returns: accepted draft nodes, the BONUS token, and
-    the forward's rows (logits, taps) and wall time for the proposer to observe."""
+    the forward's rows (logits, taps) and wall time for the proposer to observe. For a
+    greedy chain whose rows no proposer reads (``Draft.reads_rows``), ``logits`` may stop
+    at the first row that broke the chain (``Runner.forward``'s ``greedy_chain``)."""
 
     accepted: list[int]
     bonus: int
@@ -266,8 +268,17 @@ class Engine(ModelTarget):
             assert draft.parents is not None
             if not draft.is_chain:
                 parents = [-1] + [p + 1 for p in draft.parents]
+        # a greedy chain nobody reads the other rows of: the runner may stop its LM head at
+        # the first row that breaks it (the rows after it are never read)
+        chain = (
+            params.temperature == 0
+            and mask is None
+            and parents is None
+            and draft is not None
+            and not draft.reads_rows
+        )
         t0 = time.perf_counter()
-        fwd = self.runner.forward(ids, parents, taps=taps)  # (T, V)
+        fwd = self.runner.forward(ids, parents, taps=taps, greedy_chain=chain)  # (<= T, V)
         logits = fwd.logits if mask is None else fwd.logits.masked_fill(~mask, float("-inf"))
         accepted, bonus = verify(draft, logits, params.temperature, params.top_p, gen)
         ms = (time.perf_counter() - t0) * 1000

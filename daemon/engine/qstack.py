@@ -53,7 +53,7 @@ class Model(ctypes.Structure):
 
 class Fwd(ctypes.Structure):
     _fields_ = [(n, c_i64) for n in ("T", "past", "s_max", "first", "threads", "ntaps")]
-    _fields_ += [("isa", c_i32), ("pad", c_i32)]
+    _fields_ += [("isa", c_i32), ("stop", c_i32)]
     _fields_ += [(n, c_ptr) for n in ("ids", "pos", "anc", "kv", "taps", "hidden", "logits")]
 
 
@@ -184,11 +184,15 @@ class Stack:
         first: int = 0,
         threads: int | None = None,
         isa: str | None = None,
+        stop: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Append ``ids`` after ``past`` cached tokens of ``kv``; logits of rows ``first..``
         ``(T - first, V)`` and the taps ``(T, len(taps), H)`` (None without taps).
         ``pos``: positions (default ``past .. past + T``); ``anc``: (T, T) bool, token t
-        sees new token j (None: a chain)."""
+        sees new token j (None: a chain). ``stop`` (a chain verified greedily, ``first``
+        0): the logits stop after the first row t whose greedy token is not ``ids[t + 1]``
+        (give or take the rest of its chunk of rows): only the rows computed come back."""
+        stop = bool(stop and first == 0 and anc is None and len(ids) > 1)
         m, n = self.model, len(ids)
         ids_t = torch.tensor(ids, dtype=torch.int64)
         pos_t = torch.arange(past, past + n) if pos is None else torch.tensor(pos)
@@ -205,7 +209,7 @@ class Stack:
             max(1, int(threads or torch.get_num_threads())),
             len(taps),
             quant_gemm.ISAS[isa or quant_gemm.default_isa()],
-            0,
+            int(stop),
             ids_t.data_ptr(),
             pos_t.data_ptr(),
             _ptr(anc_t),
@@ -215,9 +219,9 @@ class Stack:
             logits.data_ptr() if n > first else None,
         )
         rc = self.lib.cs_lean_forward(ctypes.byref(m), ctypes.byref(f))
-        if rc != 0:
+        if rc < 0 or (rc > 0 and not stop):
             raise RuntimeError(f"the decoder stack refused the forward (code {rc})")
-        return logits, hidden
+        return (logits[:rc] if stop else logits), hidden
 
     def keep(self, kv: torch.Tensor, base: int, indices: list[int]) -> None:
         """Rows ``base + indices[j]`` become rows ``base + j`` in every layer."""

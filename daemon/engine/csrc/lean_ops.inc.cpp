@@ -321,11 +321,19 @@ int forward(const Model& m, const Fwd& f) {
     tap(m, f, l + 1, b.x.data());
   }
   const int64_t rows = T - f.first;
+  int64_t done = 0;
   if (rows > 0 && f.logits) {
     rmsnorm(b.x.data() + f.first * H, rows, H, H, m.norm, m.eps, b.a.data(), H);
-    if (!products(m, f, &m.head, 1, rows, b.a.data(), H, f.logits, m.vocab, nullptr)) return -1;
+    while (done < rows) {
+      const int64_t c = head_chunk(f, done, rows);
+      if (!products(m, f, &m.head, 1, c, b.a.data() + done * H, H, f.logits + done * m.vocab,
+                    m.vocab, nullptr))
+        return -1;
+      done += c;
+      if (f.stop && chain_breaks(f, f.logits, m.vocab, done - c, done)) break;
+    }
   }
-  return 0;
+  return f.stop ? static_cast<int>(done) : 0;
 }
 
 // forward() with int8 block products (team_ok) in one parallel region: each step's work is
@@ -346,8 +354,9 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   const int isa = i8_isa(f.isa);
   const int64_t ntask = static_cast<int64_t>(plan.tasks.size()) * KV;
   const int64_t mrows = KV * T * G;
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next{0}, done{0};
   std::atomic<int> rc{0};
+  std::atomic<bool> broke{false};
   const int64_t threads = f.threads > 1 ? f.threads : 1;
 #pragma omp parallel num_threads(threads)
   {
@@ -418,10 +427,22 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       share(rows, h0, h1);
       rmsnorm(b.x.data() + (f.first + h0) * H, h1 - h0, H, H, m.norm, m.eps,
               b.a.data() + h0 * H, H);
-      cs_qgemm_i8_quantize(xq, b.a.data(), H, H, h0, h1, isa);
-      bar.wait();
-      mats(&m.head, 1, rows, f.logits, m.vocab, nullptr);
+      for (int64_t r0 = 0; r0 < rows;) {  // chunks of rows (one without Fwd::stop)
+        const int64_t c = head_chunk(f, r0, rows);
+        share(c, h0, h1);
+        bar.wait();  // the norms done; the previous chunk's break decided
+        if (r0 > 0 && broke.load(std::memory_order_relaxed)) break;
+        cs_qgemm_i8_quantize(xq, b.a.data() + r0 * H, H, H, h0, h1, isa);
+        bar.wait();
+        mats(&m.head, 1, c, f.logits + r0 * m.vocab, m.vocab, nullptr);
+        r0 += c;
+        if (tid == 0) done.store(r0, std::memory_order_relaxed);
+        if (r0 == rows) break;
+        bar.wait();  // the chunk's logits written
+        if (tid == 0) broke.store(chain_breaks(f, f.logits, m.vocab, r0 - c, r0));
+      }
     }
   }
-  return rc.load();
+  const int r = rc.load();
+  return r == 0 && f.stop ? static_cast<int>(done.load()) : r;
 }

@@ -69,6 +69,9 @@ namespace {
 constexpr int64_t CHUNK = 128;    // keys per softmax chunk
 constexpr int64_t MAX_DP = 256;   // the largest head dimension (rounded up to 16)
 constexpr int64_t TOKENS = 8;     // tokens per shared attention task
+// A chain's first logit rows under Fwd::stop: the LM head costs about its bytes' read time
+// up to ~4 rows on 2 AVX2 cores (49152 x 576 Q8_0: ~2 ms), ~0.5 ms a row beyond.
+constexpr int64_t STOP_ROWS = 4;
 constexpr int64_t THREADED_WEIGHTS = 1 << 16, THREADED_ROWS = 8;  // as cpu_gemm.py
 
 // A weight matrix: kind >= 0 a GGML block type (qgemm panels, n x k), -1 / -2 / -3 fp32 /
@@ -110,10 +113,13 @@ struct Model {
 // One forward: T tokens `ids` at positions `pos`, after `past` cached ones; anc (T x T,
 // row t: the new tokens t sees, itself included) or null for a chain. Logits of rows
 // first .. T-1 go to logits; hidden (T, ntaps, H) gets the taps (0: embeddings, l: the
-// output of layer l).
+// output of layer l). stop (a chain verified greedily, first 0): logits are computed
+// STOP_ROWS rows first, then the rest, and not past a chunk holding a row t < T - 1 whose
+// greedy token (the first largest logit) is not ids[t + 1]; rows after the first such row
+// are never read by greedy verification. The forward then returns the rows it computed.
 struct Fwd {
   int64_t T, past, s_max, first, threads, ntaps;
-  int32_t isa, pad;
+  int32_t isa, stop;
   const int64_t* ids;
   const int64_t* pos;
   const uint8_t* anc;
@@ -144,6 +150,29 @@ struct Attn {
 inline int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
 
 inline float clamp_h(float x) { return x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x; }
+
+// Under Fwd::stop: whether logit rows [r0, r1) (n columns each) hold a row t < T - 1 whose
+// first largest logit is not ids[t + 1] (torch.argmax's choice). A row with a NaN never
+// counts: the caller's own argmax decides there, with every later row computed.
+bool chain_breaks(const Fwd& f, const float* logits, int64_t n, int64_t r0, int64_t r1) {
+  for (int64_t t = r0; t < r1 && t + 1 < f.T; ++t) {
+    const float* row = logits + t * n;
+    int64_t best = 0;
+    bool nan = false;
+    for (int64_t j = 0; j < n; ++j) {
+      nan |= row[j] != row[j];
+      if (row[j] > row[best]) best = j;
+    }
+    if (!nan && best != f.ids[t + 1]) return true;
+  }
+  return false;
+}
+
+// The row count of the next chunk of logits from row r0 of `rows` (see Fwd::stop).
+inline int64_t head_chunk(const Fwd& f, int64_t r0, int64_t rows) {
+  if (!f.stop) return rows - r0;
+  return r0 == 0 && rows > STOP_ROWS ? STOP_ROWS : rows - r0;
+}
 
 inline bool eligible(const Attn& A, int64_t t, const Task& tk) {
   if (tk.gathered) return true;
@@ -733,7 +762,8 @@ int cs_lean_version() { return 1; }
 // Forwards run as one parallel region so far (team_ok), for tests and diagnostics.
 int64_t cs_lean_team_forwards() { return spin_policy().forwards.load(); }
 
-// The forward (see Fwd). Returns 0; -1 a product refused (an unknown type, a missing
+// The forward (see Fwd). Returns 0 (with Fwd::stop: the logit rows computed, >= 1); -1 a
+// product refused (an unknown type, a missing
 // panel product), -2 a bad layout (a position outside the RoPE tables, a token seeing a
 // later one or not itself), -3 an ISA this CPU lacks or an unsupported head dimension.
 int cs_lean_forward(const Model* m, const Fwd* f) {
