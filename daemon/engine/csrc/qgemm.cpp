@@ -1559,6 +1559,18 @@ inline void mul4_add(I& acc, I z, I xv) {
   asm("vpmaddubsw %2, %3, %1\n\tvpaddw %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(xv), "x"(z));
 }
 
+// acc += the 32-bit pair-of-pairs sums of signed Q8_0 quants z (|z| in az) times x, in
+// place: |z| * (x with z's sign) by vpmaddubsw, widened by vpmaddwd with ones.
+inline void mul4_q8_add(I& acc, I az, I z, I xv, I ones) {
+  I t;
+  asm("vpsignb %3, %2, %1\n\t"
+      "vpmaddubsw %1, %4, %1\n\t"
+      "vpmaddwd %5, %1, %1\n\t"
+      "vpaddd %1, %0, %0"
+      : "+x"(acc), "=&x"(t)
+      : "x"(xv), "x"(z), "x"(az), "x"(ones));
+}
+
 // MR rows x NP panels over all of K: per sub-block, exact integer dots (16-bit partial
 // sums, acc16), then the float steps in the file's order. MR x NP is kept small so that
 // the 16-bit sums, the quants and x fit AVX2's 16 registers (the float sums live across
@@ -1590,7 +1602,26 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p) {
         const I init = _mm256_set1_epi32(-C * sum);
         for (int q = 0; q < NP; ++q) dot[r][q] = {init, init};
       }
-      for (int g0 = 0; g0 < G; g0 += A) {
+      if constexpr (T == T_Q8_0) {  // 32-bit sums a group, in place (see mul4_q8_add)
+#pragma GCC unroll 1
+        for (int g = 0; g < G; ++g) {
+          const int gi = j * G + g;
+          I2 z[NP], az[NP];  // |z| once a group for one panel; with four, a row at a time
+          for (int q = 0; q < NP; ++q) {  // (16 ymm hold no more)
+            z[q] = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
+            if constexpr (NP == 1) az[q] = {_mm256_abs_epi8(z[q].lo), _mm256_abs_epi8(z[q].hi)};
+          }
+          for (int r = 0; r < MR; ++r) {
+            const I xv = _mm256_set1_epi32(rd32(xr[r] + k0 + 4 * g));
+            for (int q = 0; q < NP; ++q) {
+              const I2 a = NP == 1 ? az[q] : I2{_mm256_abs_epi8(z[q].lo), _mm256_abs_epi8(z[q].hi)};
+              mul4_q8_add(dot[r][q].lo, a.lo, z[q].lo, xv, ones);
+              mul4_q8_add(dot[r][q].hi, a.hi, z[q].hi, xv, ones);
+            }
+          }
+        }
+      }
+      for (int g0 = 0; g0 < (T == T_Q8_0 ? 0 : G); g0 += A) {
         I2 s16[MR][NP];
         for (int r = 0; r < MR; ++r)
           for (int q = 0; q < NP; ++q) s16[r][q] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -1655,10 +1686,11 @@ template <int T>
 void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   const int64_t M = ai.a.M;
   if (M == 1) return range<T, 1, 4>(ai, 0, p0, p1);
-  if constexpr (T == T_Q8_0) {
-    // Q8_0 gains nothing from 16-bit sums (acc16 1): group by group, two rows x four
-    // panels a pass, the four panels read as one stream. Panel by panel took 1.6x as
-    // long for the 49152 x 576 LM head at 16 rows (AVX2, one thread).
+  if (T == T_Q8_0 && M <= 8) {
+    // Q8_0 gains nothing from 16-bit sums (acc16 1): up to 8 rows, group by group, two
+    // rows x four panels a pass, the four panels read as one stream; beyond, as the other
+    // types (the LM head at 16 rows, 2 threads: 6.7 against 7.9 ms; at 2-8 rows equal or
+    // up to 12% slower that way).
     for (int64_t p = p0; p < p1;) {
       const int64_t end = group_end(p, p1);
       int64_t m = 0;
