@@ -1543,17 +1543,10 @@ constexpr int acc16() {
   return T == T_Q8_0 ? 1 : T == T_Q6_K ? 2 : T == T_Q5_K ? 4 : 8;
 }
 
-// 16 pair sums (16 bits) of four products per 32-bit lane: u8 quants z times s8 x
-// (Q8_0: signed quants, by |q| times x with q's sign).
-template <int T>
-inline I mul4(I z, I xv) {
-  if constexpr (T == T_Q8_0) return _mm256_maddubs_epi16(_mm256_abs_epi8(z), _mm256_sign_epi8(xv, z));
-  else return _mm256_maddubs_epi16(z, xv);
-}
-
-// acc += mul4(z, x) for unsigned quants, in place: written by hand because GCC gave each
-// sum a new register and a move back every group (6 of the 31 instructions of a 3-row
-// group, which is bound by the front end's 6 a cycle).
+// acc += the 16 pair sums (16 bits) of four products per 32-bit lane, u8 quants z times
+// s8 x (vpmaddubsw), in place: written by hand because GCC gave each sum a new register
+// and a move back every group (6 of the 31 instructions of a 3-row group, which is bound
+// by the front end's 6 a cycle).
 inline void mul4_add(I& acc, I z, I xv) {
   I t;
   asm("vpmaddubsw %2, %3, %1\n\tvpaddw %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(xv), "x"(z));
@@ -1606,8 +1599,9 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p) {
 #pragma GCC unroll 1
         for (int g = 0; g < G; ++g) {
           const int gi = j * G + g;
-          I2 z[NP], az[NP];  // |z| once a group for one panel; with four, a row at a time
-          for (int q = 0; q < NP; ++q) {  // (16 ymm hold no more)
+          // |z| once a group for one panel; for four, at each row (16 ymm hold no more)
+          I2 z[NP], az[NP];
+          for (int q = 0; q < NP; ++q) {
             z[q] = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
             if constexpr (NP == 1) az[q] = {_mm256_abs_epi8(z[q].lo), _mm256_abs_epi8(z[q].hi)};
           }
@@ -1621,7 +1615,7 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p) {
           }
         }
       }
-      for (int g0 = 0; g0 < (T == T_Q8_0 ? 0 : G); g0 += A) {
+      for (int g0 = 0; g0 < (T == T_Q8_0 ? 0 : G); g0 += A) {  // the 16-bit sums' types
         I2 s16[MR][NP];
         for (int r = 0; r < MR; ++r)
           for (int q = 0; q < NP; ++q) s16[r][q] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
@@ -1633,12 +1627,8 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p) {
           for (int r = 0; r < MR; ++r) {
             const I xv = _mm256_set1_epi32(rd32(xr[r] + k0 + 4 * g));
             for (int q = 0; q < NP; ++q) {
-              if constexpr (T == T_Q8_0) {  // A = 1: one group's pair sums
-                s16[r][q] = {mul4<T>(z[q].lo, xv), mul4<T>(z[q].hi, xv)};
-              } else {
-                mul4_add(s16[r][q].lo, z[q].lo, xv);
-                mul4_add(s16[r][q].hi, z[q].hi, xv);
-              }
+              mul4_add(s16[r][q].lo, z[q].lo, xv);
+              mul4_add(s16[r][q].hi, z[q].hi, xv);
             }
           }
         }
