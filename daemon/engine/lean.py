@@ -393,7 +393,7 @@ class LeanRunner:
             logits = torch.cat([o.logits for o in outs])
             hidden = torch.cat([o.hidden for o in outs]) if taps else None
             return ForwardOut(logits=logits, hidden=hidden)
-        rows = "last" if last_only else ("chain" if greedy_chain and anc is None else "all")
+        rows = "last" if last_only else ("chain" if greedy_chain else "all")
         out = self._forward_chunk(ids, depth if anc is not None else None, anc, taps, rows)
         self._pending = n
         assert self._len == start + n

@@ -430,8 +430,10 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       for (int64_t r0 = 0; r0 < rows;) {  // chunks of rows (one without Fwd::stop)
         const int64_t c = head_chunk(f, r0, rows);
         share(c, h0, h1);
-        bar.wait();  // the norms done; the previous chunk's break decided
-        if (r0 > 0 && broke.load(std::memory_order_relaxed)) break;
+        if (f.stop) {  // chunks share rows unlike the norms; the last chunk's break decided
+          bar.wait();
+          if (r0 > 0 && broke.load(std::memory_order_relaxed)) break;
+        }
         cs_qgemm_i8_quantize(xq, b.a.data() + r0 * H, H, H, h0, h1, isa);
         bar.wait();
         mats(&m.head, 1, c, f.logits + r0 * m.vocab, m.vocab, nullptr);
