@@ -68,11 +68,11 @@ def node_keys(draft: Draft) -> list[Key]:
     [('a', 2, 1, False), ('a', 2, 2, False), ('b', 2, 1, True)]
     """
     assert draft.parents is not None
-    match = match_bucket(draft.match)
     levels = draft.levels
     parented: set[int] = set()
     keys: list[Key] = []
     for i, p in enumerate(draft.parents):
+        match = match_bucket(draft.match_at(i))
         keys.append((draft.source(i), match, depth_bucket(levels[i]), p in parented))
         parented.add(p)
     return keys

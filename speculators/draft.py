@@ -10,8 +10,10 @@ Every proposer answers the same four calls, even where one is a no-op:
 - ``begin(request)``  a new request starts (prompt ids, document uri, params).
 - ``propose(context, budget) -> Draft | None``  ``context`` is every token of
   the request so far (prompt + generated, the root last); ``budget`` is the
-  most draft tokens it may offer this step. ``None`` or an empty draft means
-  "nothing to offer".
+  most draft tokens verified this step. A tree may offer more (the policy keeps
+  the likeliest nodes, at most ``budget``; a caller without a policy keeps the
+  first ``budget``, so the likeliest path goes first). ``None`` or an empty
+  draft means "nothing to offer".
 - ``observe(result)``  the step that verified (part of) its draft: what the
   target accepted, and the verify forward's rows.
 - ``follow(result)``  a step another proposer drafted (or a plain step): keep
@@ -52,6 +54,8 @@ class Draft:
 
     ``match``: for a draft copied from earlier text, the length of the longest
     match behind it (the policy keys its acceptance figures on it); 0 otherwise.
+    ``matches``: the same per node, where the paths of a tree were copied after
+    matches of different lengths (``None``: every node's is ``match``).
     ``origin``: for a draft the policy cut out of a proposer's draft
     (:meth:`select`), that draft and the index there of each node.
     """
@@ -61,6 +65,7 @@ class Draft:
     probs: list[torch.Tensor | None] | None = None
     sources: list[str] | None = None
     match: int = 0
+    matches: list[int] | None = None
     origin: tuple[Draft, list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +81,8 @@ class Draft:
             raise ValueError("sources and tokens differ in length")
         if self.probs is not None and len(self.probs) != n:
             raise ValueError("probs and tokens differ in length")
+        if self.matches is not None and len(self.matches) != n:
+            raise ValueError("matches and tokens differ in length")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -126,6 +133,7 @@ class Draft:
             [self.probs[k] for k in keep] if self.probs is not None else None,
             [self.sources[k] for k in keep] if self.sources is not None else None,
             match=self.match,
+            matches=[self.matches[k] for k in keep] if self.matches is not None else None,
             origin=(self, keep),
         )
 
@@ -140,24 +148,34 @@ class Draft:
     def source(self, i: int) -> str:
         return self.sources[i] if self.sources else "draft"
 
+    def match_at(self, i: int) -> int:
+        """The match behind node ``i`` (see ``matches``)."""
+        return self.matches[i] if self.matches is not None else self.match
+
     @staticmethod
     def chain(tokens: Sequence[int], source: str = "draft") -> Draft:
         toks = list(tokens)
         return Draft(toks, sources=[source] * len(toks))
 
     @staticmethod
-    def from_paths(paths: Sequence[tuple[Sequence[int], str]]) -> Draft:
-        """A tree from several candidate continuations, sharing common prefixes.
+    def from_paths(
+        paths: Sequence[tuple[Sequence[int], str]], matches: Sequence[int] | None = None
+    ) -> Draft:
+        """A tree from several candidate continuations, sharing common prefixes; with
+        ``matches`` (one per path: the match it was copied after), a shared node keeps
+        the longest (so ``match`` is the longest of all).
 
-        >>> d = Draft.from_paths([([5, 6, 7], "a"), ([5, 8], "b")])
-        >>> d.tokens, d.parents
-        ([5, 6, 7, 8], [-1, 0, 1, 0])
+        >>> d = Draft.from_paths([([5, 6, 7], "a"), ([5, 8], "b")], [2, 6])
+        >>> d.tokens, d.parents, d.matches, d.match
+        ([5, 6, 7, 8], [-1, 0, 1, 0], [6, 2, 2, 6], 6)
         """
         tokens: list[int] = []
         parents: list[int] = []
         sources: list[str] = []
+        per_node: list[int] = []
         node_of: dict[tuple[int, int], int] = {}
-        for path, source in paths:
+        for j, (path, source) in enumerate(paths):
+            n = matches[j] if matches is not None else 0
             parent = -1
             for tok in path:
                 key = (parent, int(tok))
@@ -168,8 +186,14 @@ class Draft:
                     tokens.append(int(tok))
                     parents.append(parent)
                     sources.append(source)
+                    per_node.append(n)
+                else:
+                    per_node[node] = max(per_node[node], n)
                 parent = node
-        return Draft(tokens, parents, sources=sources)
+        if matches is None:
+            return Draft(tokens, parents, sources=sources)
+        return Draft(tokens, parents, sources=sources, match=max(per_node, default=0),
+                     matches=per_node)  # fmt: skip
 
     def truncated(self, budget: int) -> Draft:
         """The first ``budget`` nodes (parents always precede children, so it stays a tree)."""
@@ -182,6 +206,7 @@ class Draft:
             self.probs[:budget] if self.probs is not None else None,
             self.sources[:budget] if self.sources is not None else None,
             match=self.match,
+            matches=self.matches[:budget] if self.matches is not None else None,
         )
 
 

@@ -30,6 +30,9 @@ from codespec.speculators.draft import Draft, RequestInfo, StepResult
 __all__ = ["NgramProposer", "SequenceMatcher", "match_continuations"]
 
 _MAX_OCCURRENCES = 64  # latest occurrences examined per lookup
+# A draft may hold up to this many times the step's budget: the policy keeps the likeliest
+# nodes (at most the budget), so that a long first path does not crowd out the others.
+SPREAD = 2
 
 
 def match_continuations(
@@ -172,53 +175,51 @@ class NgramProposer:
         depth = budget if n >= max_n else min(budget, 2 * n)
         return max(1, depth >> (1 if rank else 0))
 
-    def _paths(
-        self, source: str, n: int, conts: Sequence[Sequence[int]], budget: int
-    ) -> list[tuple[list[int], str]]:
-        return [
-            (list(c[: self._depth(n, i, budget, self.max_n)]), source) for i, c in enumerate(conts)
-        ]
-
     def _from_prediction(
         self, context: Sequence[int], tail: Sequence[int], budget: int
-    ) -> tuple[list[tuple[list[int], str]], int]:
+    ) -> tuple[int, list[list[int]]]:
         pred = self._prediction
         if pred is None:
-            return [], 0
+            return 0, []
         generated = context[self._prompt_len :]
         if len(generated) < self.min_n and list(generated) == pred.seq[: len(generated)]:
             # Too little generated to match on: the old text's start is the draft, as good
             # as a full-length match.
             start = len(generated)
-            return [(pred.seq[start : start + budget], "ngram:prediction")], self.max_n
-        n, conts = pred.match(tail, self.max_n, budget, self.breadth)
-        return self._paths("ngram:prediction", n, conts, budget), n if conts else 0
+            return self.max_n, [pred.seq[start : start + budget]]
+        return pred.match(tail, self.max_n, budget, self.breadth)
 
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
         if budget <= 0 or not context:
             return None
         tail = context[-self.max_n :]
-        paths, longest = self._from_prediction(context, tail, budget)
+        n, conts = self._from_prediction(context, tail, budget)
+        found = [(n, "ngram:prediction", conts)]  # (match, source, continuations)
         if self.use_context:
             self._context.sync(context)
             n, conts = self._context.match(tail, self.max_n, budget, self.breadth)
-            paths += self._paths("ngram:context", n, conts, budget)
-            longest = max(longest, n if conts else 0)
+            found.append((n, "ngram:context", conts))
         if self.index is not None and len(tail) >= self.min_n:
             cands = self.index.lookup(
                 tail, uri=self._uri, k=budget, b=self.breadth, min_n=self.min_n
             )
-            paths += [
-                (c.tokens[: self._depth(c.n, i, budget, self.max_n)], "ngram:index")
-                for i, c in enumerate(cands)
-            ]
-            longest = max([longest, *(c.n for c in cands)])
-        paths = [p for p in paths if p[0]]
+            found += [(c.n, "ngram:index", [list(c.tokens)]) for c in cands]
+        # every source's candidates, the longest match first (a stable sort: on a tie the
+        # order above); a later sibling of the same source gets half the depth
+        paths: list[tuple[list[int], str]] = []
+        matches: list[int] = []
+        ranks: dict[str, int] = {}
+        for n, source, conts in sorted(found, key=lambda f: -f[0]):
+            for cont in conts:
+                rank = ranks.get(source, 0)
+                ranks[source] = rank + 1
+                path = list(cont[: self._depth(n, rank, budget, self.max_n)])
+                if path:
+                    paths.append((path, source))
+                    matches.append(n)
         if not paths:
             return None
-        draft = Draft.from_paths(paths).truncated(budget)
-        draft.match = longest
-        return draft
+        return Draft.from_paths(paths, matches).truncated(SPREAD * budget)
 
     def observe(self, result: StepResult) -> None:
         """Nothing to learn: the next ``propose`` reads the context as it is."""

@@ -38,9 +38,11 @@ Each step:
    doubles from :data:`FIRST_GAP` to :data:`MAX_GAP` steps; one far behind
    retires: not built, nor kept in step, for a pause doubling from
    :data:`FIRST_PAUSE` steps (then one fresh trial).
-3. Back-off: a cheap proposer whose draft was not worth verifying, or had
-   nothing accepted, is not asked for 1, 2, 4 ... :data:`MOST_SKIPPED` steps; one
-   accepted token resets it.
+3. Back-off: a cheap proposer whose draft was not worth verifying is not asked
+   for 1, 2, 4 ... :data:`MOST_SKIPPED` steps; one accepted token resets it. A
+   draft verified and rejected does not back its proposer off: its acceptance
+   figures fall and the next cut prices them (skipping the steps after a miss
+   cost edits ~5% of their decode speed: a copy resynchronises right after one).
 
 Temperature: figures are kept per temperature class (``book.py``); a sampled
 class with nothing measured yet starts from greedy's figures (or the prior)
@@ -187,6 +189,8 @@ class Controller:
                 child.p.prefilled(child.hidden(hidden))
 
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
+        """The step's draft, at most ``budget`` nodes (a child may offer a larger tree:
+        the cut keeps its likeliest nodes); None for a plain step."""
         now = time.perf_counter()
         self._close_step(now)
         self.store.steps += 1
@@ -224,11 +228,8 @@ class Controller:
             for book in _both(self.doc, self.glob):
                 book.accept.learn(result.draft, result.accepted, self.store.steps)
         chosen = self.children.get(self.choice)
-        if chosen is not None and verified and not self._costly:
-            if result.accepted_len:
-                chosen.backoff.win()
-            else:
-                chosen.backoff.lose(self.store.steps)
+        if chosen is not None and verified and not self._costly and result.accepted_len:
+            chosen.backoff.win()
         t0 = time.perf_counter()
         for child in self.children.values():
             if child is chosen:
@@ -271,7 +272,6 @@ class Controller:
         child.asked = True
         if draft is None or not nodes:
             return _Offer(child, None, 1.0 / step_ms[0])
-        draft = draft.truncated(budget)
         child.source = draft.source(0)
         keep, value = best_cut(node_chances(draft, self._rate), budget, step_ms)
         if not keep:

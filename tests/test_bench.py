@@ -130,3 +130,14 @@ def test_lookahead_grid_decodes_each_prompt_with_empty_pools(tmp_path, capsys, m
         return row["target_forwards"]
 
     assert forwards(2) == 2 * forwards(1)
+
+
+def test_latency_throughput_rounds_add_up_tokens_and_time():
+    """``bench latency`` runs each method's throughput in rounds (alternating which goes
+    first); a method's figure is its tokens over its time in all rounds, each round kept."""
+    from codespec.daemon.bench.latency import mean_rounds
+
+    r = mean_rounds([{"tokens": 100, "wall_s": 2.0, "tokens_per_s": 50.0},
+                     {"tokens": 100, "wall_s": 3.0, "tokens_per_s": 100 / 3}])  # fmt: skip
+    assert (r["tokens"], r["wall_s"], r["tokens_per_s"]) == (200, 5.0, 40.0)
+    assert r["rounds"] == [50.0, 33.3]

@@ -16,6 +16,19 @@ def test_from_paths_shares_prefixes():
     assert d.children() == {-1: [0, 4], 0: [1, 3], 1: [2]}
 
 
+def test_per_path_matches_follow_nodes_through_cuts_and_keys():
+    """Paths copied after matches of different lengths: a shared node keeps the longest,
+    truncation and selection carry them, and each node's acceptance key uses its own."""
+    from codespec.speculators.acceptance import match_bucket, node_keys
+
+    d = Draft.from_paths([([5, 6, 7], "a"), ([5, 8], "b")], [2, 9])
+    assert d.matches == [9, 2, 2, 9] and d.match == 9
+    assert d.truncated(2).matches == [9, 2] and d.select([0, 3]).matches == [9, 9]
+    assert [k[1] for k in node_keys(d)] == [match_bucket(m) for m in (9, 2, 2, 9)]
+    with pytest.raises(ValueError):
+        Draft([1, 2], matches=[3])
+
+
 def test_truncated_keeps_a_tree():
     d = Draft.from_paths([([1, 2, 3], "a"), ([4, 5], "b")]).truncated(4)
     assert d.tokens == [1, 2, 3, 4]

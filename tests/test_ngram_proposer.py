@@ -12,7 +12,12 @@ from typing import Any
 
 from codespec.ngram_index import NgramIndex
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
-from codespec.speculators.ngram import NgramProposer, SequenceMatcher, match_continuations
+from codespec.speculators.ngram import (
+    SPREAD,
+    NgramProposer,
+    SequenceMatcher,
+    match_continuations,
+)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -52,7 +57,8 @@ def test_match_continuations_prefers_the_longest_then_the_latest() -> None:
 
 
 def test_context_candidates_become_one_tree_within_budget() -> None:
-    """Two earlier continuations of the same suffix give a tree with two branches."""
+    """Two earlier continuations of the same suffix give a tree with two branches; the
+    tree holds at most SPREAD times the budget, its first ``budget`` nodes the best path."""
     A, B, X, Y = 10, 11, 12, 13
     context = [A, B, X, X, X, 99, A, B, Y, Y, Y, 98, A, B]
     prop = NgramProposer()
@@ -63,7 +69,24 @@ def test_context_candidates_become_one_tree_within_budget() -> None:
     assert paths_of(draft) == [[Y, Y, Y, 98], [X, X]]
     assert set(draft.sources or []) == {"ngram:context"}
     small = prop.propose(context, budget=3)
-    assert small is not None and len(small) == 3
+    assert small is not None and len(small) <= SPREAD * 3
+    assert paths_of(small) == [[Y, Y, Y], [X]] and small.truncated(3).tokens == [Y, Y, Y]
+
+
+def test_the_longest_match_leads_whatever_its_source() -> None:
+    """An edit's old text matches the last 2 tokens, the earlier context the last 5: the
+    context's path comes first (so a long path of the old text cannot crowd it out of the
+    budget), and every node keeps the match behind it (the policy's acceptance key)."""
+    old = [50, 51, 52, 7, 8, 60, 61, 62, 63]  # ... 7 8 -> 60 61 ...
+    context = [1, 2, 3, 7, 8, 70, 71, 72, 73, 74, 9, 1, 2, 3, 7, 8]  # 1 2 3 7 8 -> 70 ...
+    prop = NgramProposer()
+    prop.begin(RequestInfo(prompt_ids=context[:-3], kind="edit", draft_text_ids=old))
+    draft = prop.propose(context, budget=8)
+    assert draft is not None
+    assert paths_of(draft) == [[70, 71, 72, 73, 74, 9, 1, 2], [60, 61, 62, 63]]
+    assert draft.matches == [5] * 8 + [2] * 4 and draft.match == 5
+    assert draft.sources == ["ngram:context"] * 8 + ["ngram:prediction"] * 4
+    assert draft.truncated(8).tokens == [70, 71, 72, 73, 74, 9, 1, 2]
 
 
 def test_nothing_matches_gives_none() -> None:

@@ -180,18 +180,25 @@ def test_expensive_verify_means_plain_steps(engine):
     assert stats.drafted == {}  # nothing was worth a forward of two tokens or more
 
 
-def test_a_cheap_proposer_whose_drafts_fail_backs_off_then_recovers():
-    """Rejected drafts: not asked for 1, 2, 4 ... steps; one accepted token resets it."""
-    store = store_with(0.0)
+def test_a_rejected_draft_is_priced_not_skipped_one_not_worth_a_forward_backs_off():
+    """Rejected drafts: the proposer is asked again the next step (its acceptance falls and
+    the cut prices it; skipping it had cost edits ~5% of their decode speed); once its
+    draft is not worth a forward it is not asked for 1, 2, 4 ... steps; one accepted token
+    resets the pause."""
+    store = store_with(0.2)
     fixed = Fixed([7, 7, 7])
     ctl = Controller(None, {"fixed": fixed}, store, "fixed")
     ctl.begin(RequestInfo(prompt_ids=[1, 2, 3]))
-    asked = []
-    for _ in range(12):
+    asked, verified = [], []
+    for _ in range(16):
         before = fixed.asked
-        step(ctl, [1, 2, 3], accepted=0)
+        verified.append(step(ctl, [1, 2, 3], accepted=0) is not None)
         asked.append(fixed.asked > before)
-    assert asked[:10] == [True, False, True, False, False, True] + [False] * 4
+    first = verified.index(False)  # the first draft not worth a forward
+    assert first >= 2 and all(asked[: first + 1])  # rejected twice or more, still asked
+    assert asked[first : first + 6] == [True, False, True, False, False, True]
+    fixed.tokens = [1, 2, 3]
+    store.costs.seed({n: 1.0 for n in (1, 2, 4, 8, 16, 32, 64)})  # drafts now pay again
     while True:  # the next probe is accepted...
         before = fixed.asked
         step(ctl, [1, 2, 3], accepted=3)

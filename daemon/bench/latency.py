@@ -11,7 +11,9 @@ uses ``--socket`` of a running one), opens real source files and
   of keystroke;
 - throughput: 1, 4 and 8 concurrent clients, each on its own copy of the file,
   each asking multi-line completions, speculation auto vs off; tokens/s over
-  the wall-clock time of the whole round.
+  the wall-clock time of each round, rounds alternating which method goes first
+  (``--rounds``; a shared machine's noise then hits both alike), the mean of
+  the rounds reported.
 
 Prints a table and ends with one JSON line. Must not touch the daemon's insides:
 everything goes through :class:`codespec.daemon.client.Client`.
@@ -234,6 +236,21 @@ def throughput(sock: str, text: str, clients: int, per_client: int, speculation:
     return {"tokens": sum(tokens), "wall_s": round(wall, 2), "tokens_per_s": sum(tokens) / wall}
 
 
+def mean_rounds(runs: list[dict]) -> dict:
+    """One method's throughput rounds as one: summed tokens and wall time (the mean rate
+    over the rounds), each round's rate kept.
+
+    >>> mean_rounds([{"tokens": 100, "wall_s": 2.0, "tokens_per_s": 50.0},
+    ...              {"tokens": 100, "wall_s": 3.0, "tokens_per_s": 100 / 3}])["tokens_per_s"]
+    40.0
+    """
+    tokens = sum(r["tokens"] for r in runs)
+    wall = sum(r["wall_s"] for r in runs)
+    rate = tokens / wall if wall else 0.0
+    return {"tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": rate,
+            "rounds": [round(r["tokens_per_s"], 1) for r in runs]}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec bench latency", description=__doc__.split("\n")[0])
     p.add_argument("--socket", default=None, help="use a running daemon instead of starting one")
@@ -246,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the typist's pace: time from one keystroke to the next")  # fmt: skip
     p.add_argument("--clients", default="1,4,8", help="concurrent clients for throughput")
     p.add_argument("--per-client", type=int, default=3, help="completions per client")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="throughput rounds, alternating which method is first"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of a started daemon")
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="device")
     p.add_argument("--model", default=None, help="model of a started daemon (default: default)")
@@ -264,8 +284,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.threads, extra)  # fmt: skip
             lat[spec] = typing_latency(sock, texts, spec, args.pause_ms / 1000)
         for n in [int(x) for x in args.clients.split(",") if x]:
-            for spec in ("off", "auto"):
-                tp[spec][n] = throughput(sock, texts[0], n, args.per_client, spec)
+            rounds: dict[str, list[dict]] = {"off": [], "auto": []}
+            for r in range(args.rounds):
+                for spec in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
+                    rounds[spec].append(throughput(sock, texts[0], n, args.per_client, spec))
+            for spec, runs in rounds.items():
+                tp[spec][n] = mean_rounds(runs)
         with Client(sock) as c:
             status = c.request("stats")
     finally:
