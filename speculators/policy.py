@@ -46,8 +46,9 @@ Each step:
 
 Temperature: figures are kept per temperature class (``book.py``); a sampled
 class with nothing measured yet starts from greedy's figures (or the prior)
-times :data:`TEMPERATURE_PRIOR`. Under load the scheduler halves the budget and
-then switches speculation off; the controller sees the smaller budget.
+times :data:`TEMPERATURE_PRIOR`. Under heavy load (9 and 32 active requests by
+default) the scheduler halves the budget and then switches speculation off; the
+controller sees the smaller budget.
 """
 
 from __future__ import annotations

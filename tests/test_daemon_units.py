@@ -35,7 +35,7 @@ def test_config_file_and_errors(tmp_path, monkeypatch):
         ("colour = 1\n", "colour: unknown key"),
         ("[limits]\ncolour = 1\n", "limits.colour: unknown key"),
         ("[speculation]\ndefault = 'magic'\n", "speculation: default must be one of"),
-        ("[speculation]\nshorten_at = 5\n", "speculation: off_at must be >= shorten_at"),
+        ("[speculation]\nshorten_at = 33\n", "speculation: off_at must be >= shorten_at"),
         ("[limits]\ncontext_tokens = 10\n", "limits.context_tokens: expected `int` >= 64"),
         ("[completion]\ncontext = 'all'\n", "completion.context: must be one of none, header"),
         ("limits = 3\n", "limits: expected `object`, got `int`"),

@@ -23,8 +23,10 @@ re-prefill overhead of round-robin stays under 1 / (1 + ratio) of the work.
 Speculation under load (``active`` = requests running or waiting, cancelled
 ones not counted): below ``shorten_at`` the request's full draft length;
 from ``shorten_at`` the draft length halves per extra request; from
-``off_at`` speculation is off (plain decoding), so that verification work
-never crowds out other requests' plain decode steps.
+``off_at`` speculation is off (plain decoding). Requests run one at a time, so
+a verify forward takes nothing from the others; the defaults (9, 32) keep
+full drafts up to 8 active requests, where they were measured to pay
+(``codespec.daemon.config``).
 
 Cancellation: ``Job.cancel`` is checked by the engine after every target
 forward, and by the worker before each turn, so a cancelled request stops
