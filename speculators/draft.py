@@ -39,7 +39,7 @@ import torch
 # Draft sources whose proposer reads the verify forward's logits at its nodes after the
 # step (lookahead's window: its Jacobi update). A greedy verification of a draft without
 # them reads only the accepted path's rows, so the runner may stop its LM head at the
-# first row that breaks the chain (``Runner.forward``'s ``greedy_chain``).
+# row where that path ends (``Runner.forward``'s ``greedy``).
 ROW_READERS: set[str] = set()
 
 
@@ -56,6 +56,8 @@ class Draft:
     match behind it (the policy keys its acceptance figures on it); 0 otherwise.
     ``matches``: the same per node, where the paths of a tree were copied after
     matches of different lengths (``None``: every node's is ``match``).
+    ``chances``: each node's chance of being accepted, where the policy estimated them
+    (its cut: :meth:`past`).
     ``origin``: for a draft the policy cut out of a proposer's draft
     (:meth:`select`), that draft and the index there of each node.
     """
@@ -66,6 +68,7 @@ class Draft:
     sources: list[str] | None = None
     match: int = 0
     matches: list[int] | None = None
+    chances: list[float] | None = field(default=None, compare=False)
     origin: tuple[Draft, list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +147,20 @@ class Draft:
         for i, p in enumerate(self.parents):
             out.setdefault(p, []).append(i)
         return out
+
+    def past(self, nodes: int) -> float | None:
+        """The chance that greedy verification accepts a node after the first ``nodes``
+        (its walk follows one path: the sum over the first such node of each path); None
+        without ``chances``.
+
+        >>> Draft([5, 6, 7, 8], [-1, 0, 1, 0], chances=[0.9, 0.5, 0.4, 0.05]).past(2)
+        0.45
+        """
+        if self.chances is None:
+            return None
+        assert self.parents is not None
+        return sum(c for i, (p, c) in enumerate(zip(self.parents, self.chances, strict=True))
+                   if i >= nodes and p < nodes)  # fmt: skip
 
     def source(self, i: int) -> str:
         return self.sources[i] if self.sources else "draft"
@@ -225,8 +242,8 @@ class StepResult:
     # The verify forward's rows (row 0 = root, row i + 1 = draft node i): logits (R, V) and,
     # when the proposer asked for taps, hidden states (R, len(taps), H). Proposers that
     # learn from the target (lookahead's Jacobi window, EAGLE's head) read them here; a
-    # draft whose logit rows are read must say so (ROW_READERS): for other greedy chains
-    # the logits may end at the first row that broke the chain.
+    # draft whose logit rows are read must say so (ROW_READERS): for other greedy drafts
+    # the logits may end at the row where the accepted path ends.
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     # The verify forward's wall time (ms, the verification included) and the number of

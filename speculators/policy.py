@@ -274,10 +274,12 @@ class Controller:
         if draft is None or not nodes:
             return _Offer(child, None, 1.0 / step_ms[0])
         child.source = draft.source(0)
-        keep, value = best_cut(node_chances(draft, self._rate), budget, step_ms)
+        chances = node_chances(draft, self._rate)
+        keep, value = best_cut(chances, budget, step_ms)
         if not keep:
             return _Offer(child, None, value, offered=True)
         cut = draft if len(keep) == len(draft) else draft.select(keep)
+        cut.chances = [chances[k] for k in keep]
         return _Offer(child, cut, value, offered=True)
 
     def _charge(self, offer: _Offer, costly: bool) -> Draft | None:

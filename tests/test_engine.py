@@ -295,3 +295,38 @@ def test_stream_ids_end_at_the_stop_token_even_mid_draft(engine):
     assert ids == oracle[: first + 1]
     assert deltas[-1].done and deltas[-1].stats.finish_reason == "stop"
     assert any(d.accepted > 1 for d in deltas)  # the stop came inside an accepted draft
+
+
+def test_the_head_stop_is_asked_for_when_verification_likely_ends_early(engine, monkeypatch):
+    """verify_step asks the runner for ``greedy`` (the LM head may stop where greedy
+    verification's walk ends) at temperature 0 only, and only while the draft's chance of
+    an accepted node past the head's first chunk is under STOP_BELOW (no chances: always);
+    the tokens are the same either way."""
+    from codespec.daemon.engine import engine as eng
+    from codespec.speculators.draft import Draft
+
+    asked: list[bool] = []
+    forward = engine.runner.forward
+
+    def spy(*args, **kwargs):
+        asked.append(bool(kwargs.get("greedy")))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", spy)
+    prompt = heldout_prompts(engine, 1, tokens=24, seed=3)[0]
+    n = eng.HEAD_FIRST_ROWS + 2  # nodes reaching past the first chunk
+    likely, unlikely = [0.9] * n, [0.9, 0.8, 0.7, 0.3, 0.2, 0.1]
+    outs = []
+    for chances, temperature, want in [(None, 0.0, True), (likely, 0.0, False),
+                                       (unlikely, 0.0, True), (unlikely, 0.7, False)]:  # fmt: skip
+        engine.reset_cache()
+        engine.prefill(prompt[:-1])
+        draft = Draft(list(range(100, 100 + n)), chances=chances)
+        asked.clear()
+        v = engine.verify_step(prompt[-1], draft, GenParams(max_tokens=8, temperature=temperature),
+                               torch.Generator().manual_seed(0))  # fmt: skip
+        assert asked == [want], (chances, temperature)
+        if temperature == 0:
+            outs.append((v.accepted, v.bonus))
+    assert len(set(map(str, outs))) == 1
+    assert Draft(list(range(n)), chances=unlikely).past(eng.HEAD_FIRST_ROWS - 1) < eng.STOP_BELOW

@@ -244,21 +244,30 @@ def test_one_region_forward_equals_a_region_per_product(model_file: Path, monkey
             assert torch.equal(a, b), f"threads={threads}"
 
 
-def _greedy_break(logits: torch.Tensor, ids: list[int]) -> int | None:
-    """The first row t < T - 1 whose greedy token is not ids[t + 1] (None: the chain holds)."""
+def _walk_end(logits: torch.Tensor, ids: list[int], parents: list[int] | None) -> int:
+    """The row where greedy verification's walk over [root] + draft ends (row 0 the root;
+    ``parents`` per row, None: a chain), as speculators.verify.verify_greedy walks it."""
     best = logits.argmax(dim=-1).tolist()
-    return next((t for t in range(len(ids) - 1) if best[t] != ids[t + 1]), None)
+    par = parents if parents is not None else list(range(-1, len(ids) - 1))
+    at = 0
+    while True:
+        nxt = next((j for j in range(at + 1, len(ids)) if par[j] == at and ids[j] == best[at]),
+                   None)  # fmt: skip
+        if nxt is None:
+            return at
+        at = nxt
 
 
 @pytest.mark.parametrize("regions", ["one", "per-product"])
 @pytest.mark.parametrize("int8", [True, False])
-def test_a_greedy_chain_stops_the_lm_head_at_its_first_break(
+def test_a_greedy_draft_stops_the_lm_head_where_verification_ends(
     model_file: Path, regions: str, int8: bool, monkeypatch
 ) -> None:
-    """greedy_chain: the stack computes logits 4 rows first, then the rest, and stops after
-    the chunk holding the first row whose greedy token breaks the chain; the rows it gives
-    equal the full forward's bit for bit, and the cache is the same (one-region and
-    per-product forwards, int8 and exact products)."""
+    """greedy: the stack computes logits 4 rows first, then the rest, and stops after the
+    chunk holding the row where greedy verification's walk ends (a chain's first break, a
+    tree's accepted path's end); the rows it gives equal the full forward's bit for bit,
+    the cache is the same (one-region and per-product forwards, int8 and exact products),
+    and greedy verification of the rows given accepts what it accepts with every row."""
     if int8 and not quant_gemm.i8_available():
         pytest.skip("no int8 product path on this CPU")
     monkeypatch.setenv("CODESPEC_LEAN_REGIONS", regions)
@@ -267,33 +276,43 @@ def test_a_greedy_chain_stops_the_lm_head_at_its_first_break(
     prompt = _ids(20, 21, v)
     runner.forward(prompt[:-1], last_only=True)  # the last prompt token is the root
     # the model's own greedy continuation (no break), then chains broken at rows 0, 2, 5
-    ids = [prompt[-1]]
+    g = [prompt[-1]]
     for _ in range(9):
-        out = runner.forward([ids[-1]])
-        ids.append(int(out.logits[-1].argmax()))
+        out = runner.forward([g[-1]])
+        g.append(int(out.logits[-1].argmax()))
     runner.truncate(19)
-    chains = [ids]
+    wrong = [(t + 1) % v for t in g]
+    drafts: list[tuple[list[int], list[int] | None]] = [(g, None)]
     for at in (0, 2, 5):
-        broken = list(ids)
-        broken[at + 1] = (broken[at + 1] + 1) % v
-        chains.append(broken)
+        broken = list(g)
+        broken[at + 1] = wrong[at + 1]
+        drafts.append((broken, None))
+    # trees (row 0 the root): the right branch first, broken at its second node, beside a
+    # wrong one (the walk ends at row 1); a wrong branch first, the right one after it,
+    # whole (the walk reaches the last row); both branches wrong (it ends at the root)
+    drafts += [
+        ([g[0], g[1], wrong[2], g[3], wrong[1], g[2], g[3], g[4]], [-1, 0, 1, 2, 0, 4, 5, 6]),
+        ([g[0], wrong[1], g[2], g[3], g[1], g[2], g[3], g[4]], [-1, 0, 1, 2, 0, 4, 5, 6]),
+        ([g[0], wrong[1], g[2], (g[1] + 2) % v, g[2], g[3], g[4], g[5]],
+         [-1, 0, 1, 0, 3, 4, 5, 6]),
+    ]  # fmt: skip
     seen = set()
-    for chain in chains:
-        full = runner.forward(chain)
+    for ids, par in drafts:
+        full = runner.forward(ids, parents=par)
         kv_full = runner.kv.clone()
         runner.truncate(19)
-        got = runner.forward(chain, greedy_chain=True)
+        got = runner.forward(ids, parents=par, greedy=True)
         assert torch.equal(runner.kv, kv_full)
         runner.truncate(19)
-        k = _greedy_break(full.logits, chain)
-        want = len(chain) if k is None or k >= 4 else 4
-        assert got.logits.shape == (want, v), (k, got.logits.shape)
+        end = _walk_end(full.logits, ids, par)
+        want = len(ids) if end >= 4 else 4
+        assert got.logits.shape == (want, v), (end, got.logits.shape)
         assert torch.equal(got.logits, full.logits[:want])
-        seen.add(want)
-    assert seen == {4, len(ids)}  # both a stop and a whole chain were seen
-    # a tree and a one-token forward are never cut
-    tree = runner.forward(ids[:4], parents=[-1, 0, 0, 1], greedy_chain=True)
-    assert tree.logits.shape == (4, v)
+        assert _walk_end(got.logits, ids, par) == end
+        seen.add((par is None, want))
+    assert seen == {(True, 4), (True, 10), (False, 4), (False, 8)}  # stops and whole drafts
+    one = runner.forward(g[:1], greedy=True)  # a one-token forward is never cut
+    assert one.logits.shape == (1, v)
 
 
 def test_taps_and_last_only(model_file: Path) -> None:

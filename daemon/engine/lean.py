@@ -374,7 +374,7 @@ class LeanRunner:
         parents: list[int] | None = None,
         taps: tuple[int, ...] = (),
         last_only: bool = False,
-        greedy_chain: bool = False,
+        greedy: bool = False,
     ) -> ForwardOut:
         n = len(ids)
         check_forward(n, self._len, self.max_length)
@@ -393,7 +393,7 @@ class LeanRunner:
             logits = torch.cat([o.logits for o in outs])
             hidden = torch.cat([o.hidden for o in outs]) if taps else None
             return ForwardOut(logits=logits, hidden=hidden)
-        rows = "last" if last_only else ("chain" if greedy_chain else "all")
+        rows = "last" if last_only else ("greedy" if greedy else "all")
         out = self._forward_chunk(ids, depth if anc is not None else None, anc, taps, rows)
         self._pending = n
         assert self._len == start + n
@@ -409,20 +409,21 @@ class LeanRunner:
     ) -> ForwardOut:
         """Append ``ids`` (a chain when ``anc`` is None) after the cache; advance ``length``.
 
-        ``rows``: which rows get logits, ``all``, ``last``, ``none`` or ``chain`` (all,
-        or the stack's greedy-chain stop: see the runner contract's ``greedy_chain``).
+        ``rows``: which rows get logits, ``all``, ``last``, ``none`` or ``greedy`` (all,
+        or the stack's stop where greedy verification's walk ends: see the runner
+        contract's ``greedy``).
         """
         n, past = len(ids), self._len
         total = past + n
         if self.stack is not None:  # the whole stack in one C++ call
             pos = None if anc is None else [past + d for d in depth or []]
-            first = {"all": 0, "chain": 0, "last": n - 1, "none": n}[rows]
+            first = {"all": 0, "greedy": 0, "last": n - 1, "none": n}[rows]
             logits, hidden = self.stack.forward(
-                self.kv, past, ids, pos, anc, taps, first, stop=rows == "chain"
+                self.kv, past, ids, pos, anc, taps, first, stop=rows == "greedy"
             )
             self._len = total
             return ForwardOut(logits=logits, hidden=hidden)
-        rows = "all" if rows == "chain" else rows  # the torch path computes every row
+        rows = "all" if rows == "greedy" else rows  # the torch path computes every row
         return lean_torch.forward_chunk(self, ids, depth, anc, taps, rows)
 
 

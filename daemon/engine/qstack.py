@@ -189,10 +189,10 @@ class Stack:
         """Append ``ids`` after ``past`` cached tokens of ``kv``; logits of rows ``first..``
         ``(T - first, V)`` and the taps ``(T, len(taps), H)`` (None without taps).
         ``pos``: positions (default ``past .. past + T``); ``anc``: (T, T) bool, token t
-        sees new token j (None: a chain). ``stop`` (a chain verified greedily, ``first``
-        0): the logits stop after the first row t whose greedy token is not ``ids[t + 1]``
+        sees new token j (None: a chain). ``stop`` (a chain or tree verified greedily,
+        ``first`` 0): the logits stop after the row where greedy verification's walk ends
         (give or take the rest of its chunk of rows): only the rows computed come back."""
-        stop = bool(stop and first == 0 and anc is None and len(ids) > 1)
+        stop = bool(stop and first == 0 and len(ids) > 1)
         m, n = self.model, len(ids)
         ids_t = torch.tensor(ids, dtype=torch.int64)
         pos_t = torch.arange(past, past + n) if pos is None else torch.tensor(pos)

@@ -20,11 +20,13 @@ The cache verbs, the contract every runner keeps:
                         norm), returned in ``hidden`` as ``(T, len(taps), H)``.
                         ``last_only`` returns the last token's logits only
                         (a prefill needs no more; saves a (T, V) matrix).
-                        ``greedy_chain`` (a chain verified at temperature 0):
-                        the runner may return only rows ``0..k``, k the first
-                        row whose greedy token (first largest logit) is not
-                        ``ids[k + 1]``, or more; greedy verification reads no
-                        row after k. The lean stack stops its LM head there.
+                        ``greedy`` (a chain or tree verified at temperature
+                        0): the runner may return only rows ``0..k``, k the
+                        row where greedy verification's walk ends (from row 0,
+                        the first largest logit names the child it moves to;
+                        it ends at a row with no such child), or more; greedy
+                        verification reads no row after k. The lean stack
+                        stops its LM head there.
 - ``keep(indices)``     after a forward of T tokens, keep only the appended
                         tokens at ``indices`` (increasing, a root-to-leaf path),
                         compacted in that order; the rest are dropped.
@@ -119,7 +121,7 @@ class Runner(Protocol):
         parents: list[int] | None = None,
         taps: tuple[int, ...] = (),
         last_only: bool = False,
-        greedy_chain: bool = False,
+        greedy: bool = False,
     ) -> ForwardOut: ...
 
     def keep(self, indices: list[int]) -> None: ...
@@ -213,7 +215,7 @@ class HFRunner:
         parents: list[int] | None = None,
         taps: tuple[int, ...] = (),
         last_only: bool = False,
-        greedy_chain: bool = False,  # every row is returned
+        greedy: bool = False,  # every row is returned
     ) -> ForwardOut:
         n = len(ids)
         check_forward(n, self._len, self.max_length)

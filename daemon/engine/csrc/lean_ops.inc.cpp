@@ -321,7 +321,7 @@ int forward(const Model& m, const Fwd& f) {
     tap(m, f, l + 1, b.x.data());
   }
   const int64_t rows = T - f.first;
-  int64_t done = 0;
+  int64_t done = 0, at = 0;  // at: greedy verification's walk (Fwd::stop)
   if (rows > 0 && f.logits) {
     rmsnorm(b.x.data() + f.first * H, rows, H, H, m.norm, m.eps, b.a.data(), H);
     while (done < rows) {
@@ -330,7 +330,7 @@ int forward(const Model& m, const Fwd& f) {
                     m.vocab, nullptr))
         return -1;
       done += c;
-      if (f.stop && chain_breaks(f, f.logits, m.vocab, done - c, done)) break;
+      if (f.stop && walk_ends(f, f.logits, m.vocab, done, at)) break;
     }
   }
   return f.stop ? static_cast<int>(done) : 0;
@@ -423,7 +423,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
     }
     const int64_t rows = T - f.first;
     if (rows > 0 && f.logits) {
-      int64_t h0, h1;
+      int64_t h0, h1, at = 0;  // at: greedy verification's walk (tid 0's, Fwd::stop)
       share(rows, h0, h1);
       rmsnorm(b.x.data() + (f.first + h0) * H, h1 - h0, H, H, m.norm, m.eps,
               b.a.data() + h0 * H, H);
@@ -441,7 +441,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
         if (tid == 0) done.store(r0, std::memory_order_relaxed);
         if (r0 == rows) break;
         bar.wait();  // the chunk's logits written
-        if (tid == 0) broke.store(chain_breaks(f, f.logits, m.vocab, r0 - c, r0));
+        if (tid == 0) broke.store(walk_ends(f, f.logits, m.vocab, r0, at));
       }
     }
   }

@@ -113,10 +113,10 @@ struct Model {
 // One forward: T tokens `ids` at positions `pos`, after `past` cached ones; anc (T x T,
 // row t: the new tokens t sees, itself included) or null for a chain. Logits of rows
 // first .. T-1 go to logits; hidden (T, ntaps, H) gets the taps (0: embeddings, l: the
-// output of layer l). stop (a chain verified greedily, first 0): logits are computed
-// STOP_ROWS rows first, then the rest, and not past a chunk holding a row t < T - 1 whose
-// greedy token (the first largest logit) is not ids[t + 1]; rows after the first such row
-// are never read by greedy verification. The forward then returns the rows it computed.
+// output of layer l). stop (a chain or tree verified greedily, first 0): logits are
+// computed STOP_ROWS rows first, then the rest, and not past the chunk holding the row
+// where greedy verification's walk ends (walk_ends): it reads no other row. The forward
+// then returns the rows it computed.
 struct Fwd {
   int64_t T, past, s_max, first, threads, ntaps;
   int32_t isa, stop;
@@ -151,19 +151,39 @@ inline int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
 
 inline float clamp_h(float x) { return x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x; }
 
-// Under Fwd::stop: whether logit rows [r0, r1) (n columns each) hold a row t < T - 1 whose
-// first largest logit is not ids[t + 1] (torch.argmax's choice). A row with a NaN never
-// counts: the caller's own argmax decides there, with every later row computed.
-bool chain_breaks(const Fwd& f, const float* logits, int64_t n, int64_t r0, int64_t r1) {
-  for (int64_t t = r0; t < r1 && t + 1 < f.T; ++t) {
-    const float* row = logits + t * n;
+// The parent row of row j > 0 (its deepest ancestor; j - 1 in a chain).
+inline int64_t parent_row(const Fwd& f, int64_t j) {
+  if (!f.anc) return j - 1;
+  for (int64_t i = j - 1; i >= 0; --i)
+    if (f.anc[j * f.T + i]) return i;
+  return -1;
+}
+
+// Under Fwd::stop: greedy verification's walk through the logit rows computed so far
+// ([0, r1), n columns each). `at` is the row it stands on (0: the root): its first largest
+// logit (torch.argmax's choice) names the token, and the walk moves to the first later
+// row that is a child of `at` with that id. True when the walk ends at a row < r1 (no such
+// child: greedy verification reads no other row); false when it needs rows from r1 on. A
+// row with a NaN ends the stopping (at = T): every later row is computed and the caller's
+// own argmax decides.
+bool walk_ends(const Fwd& f, const float* logits, int64_t n, int64_t r1, int64_t& at) {
+  while (at < r1) {
+    const float* row = logits + at * n;
     int64_t best = 0;
     bool nan = false;
     for (int64_t j = 0; j < n; ++j) {
       nan |= row[j] != row[j];
       if (row[j] > row[best]) best = j;
     }
-    if (!nan && best != f.ids[t + 1]) return true;
+    if (nan) {
+      at = f.T;
+      return false;
+    }
+    int64_t next = -1;
+    for (int64_t j = at + 1; j < f.T && next < 0; ++j)
+      if (f.ids[j] == best && parent_row(f, j) == at) next = j;
+    if (next < 0) return true;
+    at = next;
   }
   return false;
 }
