@@ -184,8 +184,10 @@ def test_a_rejected_draft_is_priced_not_skipped_one_not_worth_a_forward_backs_of
     """Rejected drafts: the proposer is asked again the next step (its acceptance falls and
     the cut prices it; skipping it had cost edits ~5% of their decode speed); once its
     draft is not worth a forward it is not asked for 1, 2, 4 ... steps; one accepted token
-    resets the pause."""
-    store = store_with(0.2)
+    resets the pause. (A plain step of 100 ms: a proposer's own time, a few µs, stays far
+    under CHEAP of it however busy the machine.)"""
+    store = PolicyStore()
+    store.costs.seed({n: 100.0 + 20.0 * (n - 1) for n in (1, 2, 4, 8, 16, 32, 64)})
     fixed = Fixed([7, 7, 7])
     ctl = Controller(None, {"fixed": fixed}, store, "fixed")
     ctl.begin(RequestInfo(prompt_ids=[1, 2, 3]))
@@ -197,8 +199,9 @@ def test_a_rejected_draft_is_priced_not_skipped_one_not_worth_a_forward_backs_of
     first = verified.index(False)  # the first draft not worth a forward
     assert first >= 2 and all(asked[: first + 1])  # rejected twice or more, still asked
     assert asked[first : first + 6] == [True, False, True, False, False, True]
-    fixed.tokens = [1, 2, 3]
-    store.costs.seed({n: 1.0 for n in (1, 2, 4, 8, 16, 32, 64)})  # drafts now pay again
+    book = store.engine_wide["greedy"]  # its drafts are accepted again: they pay
+    for depth in (1, 2, 3):
+        book.accept.counts[("fixed", 0, depth, False)] = Count(50, 50, store.steps)
     while True:  # the next probe is accepted...
         before = fixed.asked
         step(ctl, [1, 2, 3], accepted=3)
