@@ -3,21 +3,23 @@
 Owns: the per-request n-gram table over the context (prompt + generated so
 far, extended incrementally as the context grows), the longest-suffix matcher
 (:func:`match_continuations`, a pure function) and the merge of several
-candidates into one tree draft within the step's budget.
+candidates into one tree draft (up to ``SPREAD`` times the step's budget).
 
 Must not touch: models, KV caches, verification, the index's contents (it
 only calls :meth:`NgramIndex.lookup`), how much of a draft is worth verifying
 (the policy keeps the part that pays, from acceptance it measured per match
 length and depth). A step where nothing matches returns ``None``.
 
-Sources, in the order their paths enter the tree (so that a tight budget keeps
-the best ones): ``ngram:prediction`` (an edit's old region or the client's
+Sources: ``ngram:prediction`` (an edit's old region or the client's
 prediction, when the request has one), ``ngram:context``, ``ngram:index``.
+Their candidates enter the tree longest match first (on a tie in that order),
+so a caller that keeps only the first ``budget`` nodes keeps the best path.
 
 Shape: each path is at most ``min(budget, 2 * n)`` tokens for a match of length
 ``n < max_n`` (a short match says little about what follows far after it) and
-``budget`` for a full-length match; siblings after the first get half of that.
-The draft's ``match`` is the longest match behind it.
+``budget`` for a full-length match; a source's later candidates get half of
+that. Each node keeps the match behind it (``Draft.matches``; a node two paths
+share, the longer), ``match`` the longest.
 """
 
 from __future__ import annotations
