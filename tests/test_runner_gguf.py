@@ -29,8 +29,11 @@ gguf = pytest.importorskip("gguf")
 from ggufs import write_gguf  # noqa: E402
 
 from codespec.daemon.engine import gguf_weights, quant_gemm  # noqa: E402
+from codespec.daemon.engine.engine import HEAD_FIRST_ROWS  # noqa: E402
 from codespec.daemon.engine.lean import LeanRunner, from_model_folder, gguf_products  # noqa: E402
 from codespec.daemon.engine.runner import HFRunner  # noqa: E402
+from codespec.speculators.draft import Draft  # noqa: E402
+from codespec.speculators.verify import verify_greedy  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -245,17 +248,11 @@ def test_one_region_forward_equals_a_region_per_product(model_file: Path, monkey
 
 
 def _walk_end(logits: torch.Tensor, ids: list[int], parents: list[int] | None) -> int:
-    """The row where greedy verification's walk over [root] + draft ends (row 0 the root;
-    ``parents`` per row, None: a chain), as speculators.verify.verify_greedy walks it."""
-    best = logits.argmax(dim=-1).tolist()
-    par = parents if parents is not None else list(range(-1, len(ids) - 1))
-    at = 0
-    while True:
-        nxt = next((j for j in range(at + 1, len(ids)) if par[j] == at and ids[j] == best[at]),
-                   None)  # fmt: skip
-        if nxt is None:
-            return at
-        at = nxt
+    """The row where greedy verification (speculators.verify.verify_greedy, what the engine
+    runs) stops over [root] + draft: row 0 the root, ``parents`` per row (None: a chain)."""
+    nodes = None if parents is None else [p - 1 for p in parents[1:]]  # rows -> draft nodes
+    accepted, _ = verify_greedy(Draft(ids[1:], nodes), logits)
+    return accepted[-1] + 1 if accepted else 0
 
 
 @pytest.mark.parametrize("regions", ["one", "per-product"])
@@ -305,7 +302,7 @@ def test_a_greedy_draft_stops_the_lm_head_where_verification_ends(
         assert torch.equal(runner.kv, kv_full)
         runner.truncate(19)
         end = _walk_end(full.logits, ids, par)
-        want = len(ids) if end >= 4 else 4
+        want = len(ids) if end >= HEAD_FIRST_ROWS else HEAD_FIRST_ROWS  # the stack's STOP_ROWS
         assert got.logits.shape == (want, v), (end, got.logits.shape)
         assert torch.equal(got.logits, full.logits[:want])
         assert _walk_end(got.logits, ids, par) == end
