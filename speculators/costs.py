@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 SIZES = (*range(1, 17), 20, 24, 32, 48, 64, 96, 128)
 # The forward sizes worth timing before the first request (``policy.seed_costs``).
 SEED_SIZES = (1, 2, 3, 4, 6, 8, 16, 32)
+# Every size's weight fades by this much with each forward recorded (of any size): a size
+# not chosen for a few hundred forwards counts for little against the sizes measured since.
+AGE = 0.995
+FRESH = 0.5  # the weight below which a size between two fresher ones is interpolated
 
 
 def _bucket(n: int) -> int:
@@ -34,18 +38,33 @@ def _bucket(n: int) -> int:
 
 @dataclass
 class ForwardCosts:
-    """Milliseconds of one target forward by size, decayed so it follows the context length."""
+    """Milliseconds of one target forward by size, decayed so it follows the context length.
+
+    Each size's figure is a decayed mean of its forwards; its weight (how many forwards
+    stand behind it) fades by :data:`AGE` with every forward recorded, whatever its size.
+    :meth:`at` reads a non-decreasing fit of the figures (weighted isotonic regression):
+    a figure out of order with its neighbours is pooled with them by weight, so one
+    slow forward of a size the policy then stops choosing (and so never re-measures)
+    cannot price every larger size at its spike for the rest of the session.
+    """
 
     decay: float = 0.9
     ms: list[float] = field(default_factory=lambda: [0.0] * len(SIZES))
     weight: list[float] = field(default_factory=lambda: [0.0] * len(SIZES))
     seeded: bool = False
+    _fit: list[tuple[int, float]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def add(self, n: int, ms: float) -> None:
         """Record one forward of ``n`` tokens, in the bucket of the nearest measured size
         (every size up to 16 has its own; past the last, scaled down to it)."""
         if n < 1 or ms <= 0:
             return
+        self.weight = [w * AGE for w in self.weight]
+        self._record(n, ms)
+
+    def _record(self, n: int, ms: float) -> None:
         if n >= SIZES[-1]:
             self._update(len(SIZES) - 1, ms * SIZES[-1] / n, 1.0)
             return
@@ -57,39 +76,60 @@ class ForwardCosts:
     def _update(self, i: int, ms: float, w: float) -> None:
         if w <= 0:
             return
-        k = self.decay**w
-        if self.weight[i] == 0:
-            self.ms[i], self.weight[i] = ms, w
-            return
-        self.ms[i] = k * self.ms[i] + (1 - k) * ms
+        self._fit = None
+        # the figure so far weighs what stands behind it, at most what a mean decayed by
+        # ``decay`` keeps (so a size measured all along moves by 1 - decay a forward, and
+        # one measured long ago takes the new forward nearly as it is)
+        old = min(self.weight[i], self.decay / (1 - self.decay))
+        self.ms[i] = (old * self.ms[i] + w * ms) / (old + w)
         self.weight[i] = min(1e6, self.weight[i] + w)
 
     def known(self) -> list[tuple[int, float]]:
+        """The measured sizes and their figures, as measured (not yet made monotone)."""
         return [(SIZES[i], self.ms[i]) for i in range(len(SIZES)) if self.weight[i] > 0]
 
+    def fitted(self) -> list[tuple[int, float]]:
+        """The sizes the estimate reads and a non-decreasing fit of their figures.
+
+        A size whose weight has faded below :data:`FRESH` and that lies between two
+        fresh sizes is left out (read by interpolation between them instead: a figure
+        measured long ago, maybe at another context length, against ones measured
+        lately). The rest are fitted by weighted least squares under the constraint
+        that a larger forward never costs less (pool adjacent violators)."""
+        if self._fit is None:
+            seen = [i for i in range(len(SIZES)) if self.weight[i] > 0]
+            fresh = [i for i in seen if self.weight[i] >= FRESH]
+            if len(fresh) >= 2:
+                seen = [i for i in seen if not fresh[0] < i < fresh[-1] or i in fresh]
+            blocks: list[list[float]] = []  # [mean, weight, count] of pooled runs
+            for i in seen:
+                blocks.append([self.ms[i], self.weight[i], 1])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    m1, w1, c1 = blocks.pop()
+                    m0, w0, c0 = blocks[-1]
+                    blocks[-1] = [(m0 * w0 + m1 * w1) / (w0 + w1), w0 + w1, c0 + c1]
+            values = [m for m, _, c in blocks for _ in range(int(c))]
+            self._fit = [(SIZES[i], v) for i, v in zip(seen, values, strict=True)]
+        return self._fit
+
     def at(self, n: int) -> float:
-        """Expected ms of a forward of ``n`` tokens; monotone in ``n``. Before anything is
-        measured: 1 ms per forward plus 0.1 ms per token (callers only compare ratios)."""
-        pts = self.known()
+        """Expected ms of a forward of ``n`` tokens, from :meth:`fitted`: interpolated
+        between measured sizes, extrapolated past the last; monotone in ``n``. Before
+        anything is measured: 1 ms per forward plus 0.1 ms per token (callers only
+        compare ratios)."""
+        pts = self.fitted()
         if not pts:
             return 1.0 + 0.1 * (n - 1)
         if len(pts) == 1:
             size, ms = pts[0]
             return ms * (1.0 + 0.1 * (n - size)) if n >= size else ms
-        best = 0.0
+        if n <= pts[0][0]:
+            return max(pts[0][1], 1e-3)
         for (s0, m0), (s1, m1) in itertools.pairwise(pts):
             if n <= s1:
-                if n <= s0:
-                    best = m0
-                else:
-                    best = m0 + (m1 - m0) * (n - s0) / (s1 - s0)
-                break
-        else:
-            (s0, m0), (s1, m1) = pts[-2], pts[-1]
-            best = m1 + max(0.0, (m1 - m0) / (s1 - s0)) * (n - s1)
-        # a larger forward never costs less than a smaller one
-        floor = max((m for s, m in pts if s <= n), default=0.0)
-        return max(best, floor, 1e-3)
+                return max(m0 + (m1 - m0) * (n - s0) / (s1 - s0), 1e-3)
+        (s0, m0), (s1, m1) = pts[-2], pts[-1]
+        return max(m1 + (m1 - m0) / (s1 - s0) * (n - s1), 1e-3)
 
     def table(self, most: int) -> list[float]:
         """``[at(0), at(1), ..., at(most)]`` (``at(0)`` is ``at(1)``): one lookup per size
@@ -102,8 +142,9 @@ class ForwardCosts:
 
     def seed(self, table: Mapping[int, float]) -> None:
         """Record timed forwards ``{tokens: ms}`` (a prior before any step is measured)."""
-        for n, ms in table.items():
-            self.add(int(n), float(ms))
+        for n, ms in table.items():  # one table: its sizes do not fade one another
+            if int(n) >= 1 and float(ms) > 0:
+                self._record(int(n), float(ms))
         self.seeded = True
 
     def as_dict(self) -> dict[str, float]:
