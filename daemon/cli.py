@@ -234,6 +234,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     req = s["requests"]
     print(f"model      {s['model']} ({s['runner']} runner, {s['device']})")
     print(f"cpu kernel {s.get('cpu_kernel', 'off')}")
+    print(f"kv slots   {s.get('kv_slots', '?')} (limits.kv_slots)")
     print(f"uptime     {s['uptime_s']} s, {s['connections']} connection(s)")
     print(f"documents  {s['documents']} open")
     idx = s["index"]

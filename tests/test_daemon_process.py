@@ -57,6 +57,8 @@ def wait_for_daemon(path: str, proc: subprocess.Popen, timeout: float = 90) -> N
 
 def test_serve_lifecycle(tmp_path):
     env = env_for(tmp_path)
+    (tmp_path / "config" / "codespec").mkdir(parents=True)
+    (tmp_path / "config" / "codespec" / "config.toml").write_text("[limits]\nkv_slots = 2\n")
     sock_path = env["CODESPEC_SOCKET"]
     # A stale socket file: bound, never unlinked, nobody listening.
     os.makedirs(os.path.dirname(sock_path), mode=0o700)
@@ -93,6 +95,7 @@ def test_serve_lifecycle(tmp_path):
             assert status.returncode == 0, status.stderr
             s = json.loads(status.stdout)
             assert s["model"] == "SmolLM2-135M-Instruct" and s["documents"] == 1
+            assert s["kv_slots"] == 2  # the config file's limits.kv_slots reached the engine
             assert s["policy"]["weights"]["eagle"] == "no weights for this model"
             if s["runner"] == "lean":  # the default model runs from its GGUF's own blocks
                 products = "int8 activations" if gguf_products() == "int8" else "exact"

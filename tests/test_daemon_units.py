@@ -22,6 +22,7 @@ from conftest import ServerThread, daemon_config, tiny_model_dir
 def test_config_file_and_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     assert load_config().limits.max_queue == 32  # no file: defaults
+    assert load_config().limits.kv_slots == 4
     (tmp_path / "codespec").mkdir()
     cfg = tmp_path / "codespec" / "config.toml"
     cfg.write_text('device = "cpu"\n[speculation]\ndefault = "off"\nmax_draft = 4\n')
@@ -37,6 +38,7 @@ def test_config_file_and_errors(tmp_path, monkeypatch):
         ("[speculation]\ndefault = 'magic'\n", "speculation: default must be one of"),
         ("[speculation]\nshorten_at = 33\n", "speculation: off_at must be >= shorten_at"),
         ("[limits]\ncontext_tokens = 10\n", "limits.context_tokens: expected `int` >= 64"),
+        ("[limits]\nkv_slots = 0\n", "limits.kv_slots: expected `int` >= 1"),
         ("[completion]\ncontext = 'all'\n", "completion.context: must be one of none, header"),
         ("limits = 3\n", "limits: expected `object`, got `int`"),
         ("model = \n", "not valid TOML"),

@@ -101,7 +101,9 @@ class Server:
             from codespec.daemon.engine.engine import Engine
 
             cfg = self.config
-            self.engine = await asyncio.to_thread(Engine, cfg.model, cfg.device, cfg.runner)
+            self.engine = await asyncio.to_thread(
+                Engine, cfg.model, cfg.device, cfg.runner, max_slots=cfg.limits.kv_slots
+            )
         # the policy's first cost table: a few timed forwards, before the first request
         seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
         self.index = self._load_index()

@@ -313,6 +313,7 @@ class Methods:
             "device": e.device.type,
             "runner": e.runner.name,
             "cpu_kernel": cpu_kernel(e),
+            "kv_slots": e.max_slots,
             "uptime_s": round(time.time() - srv.started, 1),
             "connections": srv.connection_count,
             "documents": len(srv.documents),
