@@ -23,7 +23,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     max_documents = 512       # open documents before `overloaded`
     max_document_chars = 4000000
     context_tokens = 1024     # prompt tokens a completion carries at most
-    kv_slots = 4              # KV caches kept for recent prompts (~190 MB each, default model)
+    kv_slots = 8              # KV caches kept for recent prompts (23 KB per cached token)
 
     [speculation]
     default = "auto"          # auto | off | a proposer's name
@@ -76,11 +76,13 @@ class Limits(_Section):
     # at a new spot prefills this much (the first, retired default was trained on 1,024).
     context_tokens: Annotated[int, Meta(ge=64)] = 1024
     # KV caches the engine keeps, one per recent prompt (the active one and idle ones), so
-    # that requests on other documents do not evict each other's prefixes. Each holds the
-    # model's whole context (8,192 tokens x 23 KB for the default model: ~190 MB). More
-    # pays with many concurrent clients: bench latency's 8-client throughput was off / auto
-    # 61.1 / 65.0 tokens/s with 4 and 78.8 / 88.1 with 8 (two runs, 2026-12-02).
-    kv_slots: AtLeast1 = 4
+    # that requests on other documents do not evict each other's prefixes. A cache's
+    # memory is what its cached tokens fill (23 KB a token for the default model; the
+    # rest of its 8,192 tokens stays unmapped zero pages: qstack.cache), ~25-50 MB for a
+    # completion's prompt. More pays with concurrent clients: bench latency's 8-client
+    # throughput was off / auto 61.1 / 65.0 tokens/s with 4 and 78.8 / 88.1 with 8 (two
+    # runs, 2026-12-02). With 4, every cache was ~190 MB whatever it held.
+    kv_slots: AtLeast1 = 8
 
 
 class Speculation(_Section):

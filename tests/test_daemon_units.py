@@ -22,7 +22,7 @@ from conftest import ServerThread, daemon_config, tiny_model_dir
 def test_config_file_and_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     assert load_config().limits.max_queue == 32  # no file: defaults
-    assert load_config().limits.kv_slots == 4
+    assert load_config().limits.kv_slots == 8
     (tmp_path / "codespec").mkdir()
     cfg = tmp_path / "codespec" / "config.toml"
     cfg.write_text('device = "cpu"\n[speculation]\ndefault = "off"\nmax_draft = 4\n')

@@ -407,3 +407,28 @@ def test_fast_tokenizer_answers_as_autotokenizer(tmp_path: Path) -> None:
         a = fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
         b = slow.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
         assert a == b
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 1e6
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc")
+def test_a_kv_cache_costs_the_memory_its_tokens_fill():
+    """The stack's cache is zeroed by the allocator, so an 8,192-token cache (~190 MB for
+    the default model's shape) costs next to nothing until written, and writing its first
+    tokens costs about their share (what lets the daemon keep several: limits.kv_slots)."""
+    from codespec.daemon.engine import qstack
+
+    before = _rss_mb()
+    kv = qstack.cache(30, 3, 64, 8192)
+    assert kv.dtype == torch.float16 and kv.shape[0] == 30
+    assert kv.numel() * 2 > 180e6
+    assert _rss_mb() - before < 20  # not committed
+    per_layer = kv.shape[1]
+    kv[:, : per_layer // 64] = 1.0  # 1/64 of each layer: ~3 MB
+    assert _rss_mb() - before < 20
+    assert kv[:, : per_layer // 64].eq(1.0).all()
+    assert not kv[:, per_layer // 64 : per_layer // 32].any()  # the rest reads as zeros
+    assert _rss_mb() - before < 20

@@ -344,6 +344,8 @@ class LeanRunner:
         self._pending = 0
 
     def new_cache_state(self) -> object:
+        if self.stack is not None:  # zero pages until written (see qstack.cache)
+            return (qstack.cache(self.num_layers, self.n_kv, self.head_dim, self.max_length), 0)
         return (torch.zeros_like(self.kv), 0)
 
     def truncate(self, n: int) -> None:

@@ -20,6 +20,7 @@ count. Attention products run in fp32 over the fp16 cache.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from typing import Any
 
 import torch
@@ -103,10 +104,18 @@ def cache_rows(max_length: int) -> int:
 
 
 def cache(layers: int, kv_heads: int, head_dim: int, max_length: int) -> torch.Tensor:
-    """A zeroed fp16 KV cache for the stack: ``(layers, KV * S_max * (D + Dp))``."""
+    """A zeroed fp16 KV cache for the stack: ``(layers, KV * S_max * (D + Dp))``.
+
+    An anonymous memory map, not zeros written: its pages are the system's zero page
+    until the stack writes them, so a cache costs the memory its cached tokens fill (23
+    KB a token on the default model), not its whole length's (~190 MB at 8,192 tokens),
+    which lets the engine keep several (``limits.kv_slots``). Each head's keys and
+    values fill from their start. (``torch.zeros`` writes every page; numpy's zeroed
+    arrays ask for huge pages, 2 MB a touch.) The tensor keeps the map alive."""
     s_max = cache_rows(max_length)
     per_layer = kv_heads * s_max * (head_dim + head_dim_padded(head_dim))
-    return torch.zeros((layers, per_layer), dtype=torch.float16)
+    buf = mmap.mmap(-1, max(1, layers * per_layer) * 2)
+    return torch.frombuffer(buf, dtype=torch.float16)[: layers * per_layer].view(layers, per_layer)
 
 
 class Stack:
