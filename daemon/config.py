@@ -79,9 +79,11 @@ class Limits(_Section):
     # that requests on other documents do not evict each other's prefixes. A cache's
     # memory is what its cached tokens fill (23 KB a token for the default model; the
     # rest of its 8,192 tokens stays unmapped zero pages: qstack.cache), ~25-50 MB for a
-    # completion's prompt. More pays with concurrent clients: bench latency's 8-client
-    # throughput was off / auto 61.1 / 65.0 tokens/s with 4 and 78.8 / 88.1 with 8 (two
-    # runs, 2026-12-02). With 4, every cache was ~190 MB whatever it held.
+    # completion's prompt; so 8 by default (4 when every cache took ~190 MB): switching
+    # among up to 8 files keeps each one's prefix (a cold 1,000-token prefill is ~2.5 s on
+    # 2 cores). bench latency's 8-client throughput (8 clients, 8 prompts) did not tell
+    # 4 from 8 apart: off / auto 68.8 / 74.3 tokens/s with 4, 61.8 / 70.2 with 8, one
+    # after the other on 2026-12-02 (the machine's noise is larger than the difference).
     kv_slots: AtLeast1 = 8
 
 
