@@ -84,7 +84,7 @@ def supports(config: Any) -> bool:
 class LeanRunner:
     """Static-cache runner for the Llama family (the ``Runner`` protocol of ``runner.py``).
 
-    The KV cache is one tensor (``_new_cache``), written by ``forward`` at rows ``length ..
+    The KV cache is one tensor (``_fresh_cache``), written by ``forward`` at rows ``length ..
     length+T``; ``truncate`` only moves ``length``, ``keep`` gathers the kept rows down.
     Build it with :meth:`from_pretrained`, :meth:`from_hf_model` or :meth:`from_gguf`."""
 
@@ -131,7 +131,7 @@ class LeanRunner:
         self._build_stack()
         if self.gguf and self.stack is None:
             raise RuntimeError(f"the decoder stack is unavailable: {self._stack_reason}")
-        self._new_cache()
+        self.kv = self._fresh_cache()
 
     def _shape(self, config: Any, max_length: int | None, chunk: int) -> None:
         self.config = config
@@ -161,13 +161,13 @@ class LeanRunner:
         self.sin = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], -1).to(self.device, dtype)
         self._arange = torch.arange(self.max_length + self.chunk, device=self.device)
 
-    def _new_cache(self) -> None:
-        """The stack's fp16 cache (see ``qstack``), else ``(L, 2, KV, S_max, D)``."""
+    def _fresh_cache(self) -> torch.Tensor:
+        """An empty KV cache: the stack's fp16 one (``qstack.cache``: zero pages until
+        written), else ``(L, 2, KV, S_max, D)`` zeros."""
         if self.stack is not None:
-            self.kv = qstack.cache(self.num_layers, self.n_kv, self.head_dim, self.max_length)
-            return
+            return qstack.cache(self.num_layers, self.n_kv, self.head_dim, self.max_length)
         shape = (self.num_layers, 2, self.n_kv, self.max_length, self.head_dim)
-        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _build_stack(self) -> None:
         """Run through the C++ stack where every matrix is panels or blocks (CPU kernels)."""
@@ -344,9 +344,7 @@ class LeanRunner:
         self._pending = 0
 
     def new_cache_state(self) -> object:
-        if self.stack is not None:  # zero pages until written (see qstack.cache)
-            return (qstack.cache(self.num_layers, self.n_kv, self.head_dim, self.max_length), 0)
-        return (torch.zeros_like(self.kv), 0)
+        return (self._fresh_cache(), 0)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self._len:
