@@ -22,6 +22,7 @@ def test_training_steps_lower_the_loss():
     model = tiny_llama(vocab=96, layers=2, seed=2)
     target = trainer.Target.__new__(trainer.Target)
     target.model, target.config, target.num_layers = model, model.config, 2
+    target.runner = None  # transformers' path
     cfg = train_eagle.EagleTrainConfig(ttt_steps=3, decay=0.8)
     head = EagleHead(
         EagleConfig.for_target(model.config, draft_vocab_size=48, taps=(0, 1, 2)),
@@ -49,10 +50,41 @@ def test_last_layer_tap_is_before_the_final_norm():
     model = tiny_llama(vocab=96, layers=2, seed=2)
     target = trainer.Target.__new__(trainer.Target)
     target.model, target.config, target.num_layers = model, model.config, 2
+    target.runner = None  # transformers' path
     x = torch.randint(0, 96, (1, 9))
     taps, logits = target.run(x, (0, 1, 2))
     head = model.lm_head(model.model.norm(taps[:, :, 2]))
     assert torch.allclose(head, logits, atol=1e-5)
+
+
+def test_target_from_a_gguf_runs_on_its_blocks(tmp_path):
+    """A folder the model cache made from a GGUF: the head trains on the states the daemon
+    runs (the GGUF's blocks through the lean stack), within the block rounding of
+    transformers' fp32 states; ``hf`` asks for transformers; anything else is an error."""
+    pytest.importorskip("gguf")
+    from ggufs import write_gguf
+
+    from codespec.daemon.engine import models
+
+    (tmp_path / "src").mkdir()
+    src = write_gguf(tmp_path / "src" / "q.gguf", qtype="Q8_0", hidden=128, layers=2, ffn=256)
+    folder = str(models.import_gguf(src, tmp_path / "cache"))
+    blocks, hf = trainer.Target(folder, max_length=16), trainer.Target(folder, "hf")
+    assert blocks.runner is not None and "GGUF" in blocks.kind
+    assert hf.runner is None and "transformers" in hf.kind
+    x = torch.randint(
+        0, int(hf.config.vocab_size), (2, 12), generator=torch.Generator().manual_seed(3)
+    )
+    taps_b, logits_b = blocks.run(x, (0, 1, 2))
+    taps_h, logits_h = hf.run(x, (0, 1, 2))
+    assert taps_b.shape == taps_h.shape == (2, 12, 3, 128)
+    assert logits_b.shape == logits_h.shape
+    assert blocks.runner.length == 0  # nothing left in its cache
+    for got, want in ((taps_b, taps_h), (logits_b, logits_h)):
+        assert (got - want).norm() <= 0.05 * want.norm()
+    assert not torch.equal(logits_b, logits_h)  # really the other path
+    with pytest.raises(ValueError, match="target runner"):
+        trainer.Target(folder, "onnx")
 
 
 def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys, default_model_dir):

@@ -64,6 +64,7 @@ class EagleTrainConfig:
     taps: str = ""  # "a,b,c"; empty: eagle_head.default_taps
     intermediate_size: int = 0  # 0: the target's
     fim_rate: float = 0.5
+    target_runner: str = "auto"  # auto: the GGUF blocks the daemon runs, when there are any
     seed: int = 0
     threads: int = 1
     checkpoint_every: int = 25
@@ -261,7 +262,8 @@ def train(
     model_path, out, tok, texts, target = prepare(cfg, model, data)
     head, coverage = build_head(target, cfg, tok, texts, name or model or display_name(model_path))
     print(
-        f"target {model_path}: {target.num_layers} layers; head taps {head.cfg.taps}, "
+        f"target {model_path}: {target.num_layers} layers, states from {target.kind}; "
+        f"head taps {head.cfg.taps}, "
         f"draft vocab {head.cfg.draft_vocab_size} (covers {coverage:.1%} of corpus tokens), "
         f"{sum(p.numel() for p in head.parameters()) / 1e6:.2f}M trainable parameters; "
         f"{len(texts)} training files",
