@@ -99,6 +99,9 @@ class Speculation(_Section):
     shorten_at: AtLeast1 = 9
     off_at: AtLeast1 = 32
     quantum_steps: AtLeast1 = 8
+    # Drafts from what the last requests on a document generated (the n-gram proposer's
+    # ``ngram:recent``): typing along the ghost text asks for the same tokens again.
+    recent_outputs: bool = True
 
     def __post_init__(self) -> None:
         if self.default not in ("auto", "off"):

@@ -280,6 +280,9 @@ class RequestInfo:
     max_tokens: int = 0
     kind: str = "generate"  # generate | complete | edit
     draft_text_ids: list[int] | None = None  # edits: the old region or the prediction
+    # what earlier requests on this document generated, each after its prompt's last
+    # tokens (a typist who types what the ghost text showed asks for it again)
+    recent_ids: list[int] | None = None
 
 
 class Proposer(Protocol):

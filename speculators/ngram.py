@@ -11,7 +11,9 @@ only calls :meth:`NgramIndex.lookup`), how much of a draft is worth verifying
 length and depth). A step where nothing matches returns ``None``.
 
 Sources: ``ngram:prediction`` (an edit's old region or the client's
-prediction, when the request has one), ``ngram:context``, ``ngram:index``.
+prediction, when the request has one), ``ngram:recent`` (what earlier requests on
+the document generated, when the caller keeps it: typing along the ghost text asks
+for the same tokens again), ``ngram:context``, ``ngram:index``.
 Their candidates enter the tree longest match first (on a tie in that order),
 so a caller that keeps only the first ``budget`` nodes keeps the best path.
 
@@ -158,6 +160,7 @@ class NgramProposer:
         self._uri: str | None = None
         self._context = SequenceMatcher(min_n)
         self._prediction: SequenceMatcher | None = None
+        self._recent: SequenceMatcher | None = None
         self._prompt_len = 0
 
     def begin(self, request: RequestInfo) -> None:
@@ -170,6 +173,10 @@ class NgramProposer:
         if request.draft_text_ids:
             self._prediction = SequenceMatcher(self.min_n)
             self._prediction.extend(request.draft_text_ids)
+        self._recent = None
+        if request.recent_ids:
+            self._recent = SequenceMatcher(self.min_n)
+            self._recent.extend(request.recent_ids)
 
     @staticmethod
     def _depth(n: int, rank: int, budget: int, max_n: int) -> int:
@@ -197,6 +204,9 @@ class NgramProposer:
         tail = context[-self.max_n :]
         n, conts = self._from_prediction(context, tail, budget)
         found = [(n, "ngram:prediction", conts)]  # (match, source, continuations)
+        if self._recent is not None:
+            n, conts = self._recent.match(tail, self.max_n, budget, self.breadth)
+            found.append((n, "ngram:recent", conts))
         if self.use_context:
             self._context.sync(context)
             n, conts = self._context.match(tail, self.max_n, budget, self.breadth)

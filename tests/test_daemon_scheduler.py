@@ -16,7 +16,12 @@ from codespec.daemon.client import AsyncClient, Client, DaemonError
 from codespec.daemon.config import Speculation
 from codespec.daemon.engine.engine import GenParams
 from codespec.daemon.service.protocol import pack
-from codespec.daemon.service.scheduler import Job, Scheduler, speculation_policy
+from codespec.daemon.service.scheduler import (
+    Job,
+    RecentOutputs,
+    Scheduler,
+    speculation_policy,
+)
 
 PROMPT = "import os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"
 
@@ -328,3 +333,46 @@ def test_a_cold_spot_takes_a_short_window_until_a_pause_warms_the_whole_one(daem
         assert r["stats"]["prompt_tokens"] > 3 * cold  # the whole window, warm
         assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
         c.request("close", {"uri": uri})
+
+
+def test_recent_outputs_keep_the_last_few_per_document_and_few_documents():
+    r = RecentOutputs(docs=2, per_doc=2, tail=2)
+    assert r.get("a") is None
+    r.add("a", [1, 2, 3], [10, 11])
+    r.add("a", [4, 5, 6], [])  # nothing generated: nothing kept
+    r.add(None, [1], [2])
+    assert r.get("a") == [2, 3, 10, 11]
+    r.add("a", [7], [12])
+    r.add("a", [8, 9], [13])
+    assert r.get("a") == [7, 12, 8, 9, 13]  # the last two, oldest first
+    r.add("b", [1], [2])
+    r.get("a")  # a used after b
+    r.add("c", [1], [3])
+    assert r.get("b") is None and r.get("a") is not None and len(r) == 2
+
+
+def test_a_request_gets_what_the_last_ones_on_its_document_generated(engine, scheduler):
+    """After a request on a document, the next one there is planned with its prompt's tail
+    and output as ``recent_ids`` (the n-gram proposer's ``ngram:recent``; another
+    document's request is not; nor with ``recent_outputs`` off), and typing the first
+    tokens of that output then asking again gives what plain decoding gives."""
+    ids = engine.encode(PROMPT)
+    uri = "file:///recent.py"
+    first = Job(ids, GenParams(max_tokens=24), "ngram", uri=uri)
+    scheduler.submit(first).result(60)
+    out = first.out_ids
+    assert len(out) == 24
+    typed = ids + out[:3]
+    _, _, info = scheduler._plan(Job(typed, GenParams(max_tokens=16), "ngram", uri=uri))
+    assert info.recent_ids == ids[-scheduler.recent.tail :] + out
+    _, _, info = scheduler._plan(Job(typed, GenParams(max_tokens=16), "ngram", uri="file:///b"))
+    assert info.recent_ids is None
+    engine.reset_cache()
+    ref, _ = engine.generate(typed, GenParams(max_tokens=16))
+    job = Job(typed, GenParams(max_tokens=16), "ngram", uri=uri)
+    assert scheduler.submit(job).result(60).text == engine.decode(ref)
+    assert scheduler.recent.get(uri)[-len(job.out_ids) :] == job.out_ids  # kept in turn
+    off = Scheduler(engine, None, Speculation(recent_outputs=False), max_queue=2)
+    off.recent.add(uri, ids, out)
+    _, _, info = off._plan(Job(typed, GenParams(max_tokens=16), "ngram", uri=uri))
+    assert info.recent_ids is None

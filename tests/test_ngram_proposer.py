@@ -154,6 +154,22 @@ def test_prediction_drafts_the_old_text_from_the_first_step() -> None:
     assert d is not None and d.tokens[:4] == [44, 45, 46, 47]
 
 
+def test_recent_outputs_draft_what_was_generated_after_the_same_tokens() -> None:
+    """What an earlier request on the document generated (after its prompt's tail) is a
+    source: a context that ends where it began plus the typed tokens drafts the rest;
+    without it nothing matches."""
+    recent = [7, 8, 9, 20, 21, 22, 23, 24, 25, 26]  # prompt tail 7 8 9, then the output
+    context = [1, 2, 3, 7, 8, 9, 20, 21]  # typed 20 21
+    assert NgramProposer().propose(context, budget=8) is None
+    prop = NgramProposer()
+    prop.begin(RequestInfo(prompt_ids=context, kind="complete", recent_ids=recent))
+    d = prop.propose(context, budget=8)
+    assert d is not None and d.tokens[:5] == [22, 23, 24, 25, 26]
+    assert set(d.sources or []) == {"ngram:recent"}
+    prop.begin(RequestInfo(prompt_ids=context, kind="complete"))  # the next request has none
+    assert prop.propose(context, budget=8) is None
+
+
 def test_a_thin_proposer_has_nothing_to_learn() -> None:
     """Whatever was accepted, the next draft is the same: no adaptive length, no back-off
     (both are the policy's)."""

@@ -119,6 +119,43 @@ class Job:
     totals: Stats = field(default_factory=Stats)
 
 
+class RecentOutputs:
+    """What the last requests on each document generated: a draft source for the next
+    request there (``RequestInfo.recent_ids``, the n-gram proposer's ``ngram:recent``).
+    Typing what the ghost text showed asks for that text again, shifted by the keys
+    typed; a jump away and back asks for it again unchanged.
+
+    Per document the last ``per_doc`` outputs, each after the last ``tail`` tokens of
+    its prompt (the next request's context ends where an output began, plus what was
+    typed, so it matches into it), newest last; at most ``docs`` documents, the least
+    recently used dropped. The worker thread alone reads and writes it.
+    """
+
+    def __init__(self, docs: int = 64, per_doc: int = 4, tail: int = 16) -> None:
+        self.docs, self.per_doc, self.tail = docs, per_doc, tail
+        self._by_uri: collections.OrderedDict[str, list[list[int]]] = collections.OrderedDict()
+
+    def add(self, uri: str | None, prompt_ids: list[int], out_ids: list[int]) -> None:
+        if not uri or not out_ids:
+            return
+        kept = self._by_uri.pop(uri, [])
+        kept = [*kept, [*prompt_ids[-self.tail :], *out_ids]][-self.per_doc :]
+        self._by_uri[uri] = kept
+        while len(self._by_uri) > self.docs:
+            self._by_uri.popitem(last=False)
+
+    def get(self, uri: str | None) -> list[int] | None:
+        """The document's recent outputs in one sequence, oldest first; None if none."""
+        kept = self._by_uri.get(uri) if uri else None
+        if not kept:
+            return None
+        self._by_uri.move_to_end(uri)  # type: ignore[arg-type]
+        return [t for seq in kept for t in seq]
+
+    def __len__(self) -> int:
+        return len(self._by_uri)
+
+
 # Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight
 # (~80 ms for 32 on 2 CPU cores; 128 made a keystroke wait up to ~300 ms).
 WARM_CHUNK = 32
@@ -167,6 +204,7 @@ class Scheduler:
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
         self._warm: dict[str, list[int]] = {}  # uri -> a prompt to prefill when idle
+        self.recent = RecentOutputs()  # what requests generated, per document: drafts
         # a job's prompt with more than this many tokens in no cache takes its cold_ids
         # (0: never; the daemon sets completion.cold_tokens)
         self.cold_after = 0
@@ -386,6 +424,7 @@ class Scheduler:
             max_tokens=remaining,
             kind=job.kind,
             draft_text_ids=job.draft_text_ids,
+            recent_ids=self.recent.get(job.uri) if self.cfg.recent_outputs else None,
         )
         return proposer, params, info
 
@@ -440,6 +479,7 @@ class Scheduler:
         with self._cond:
             if self._running is job:
                 self._running = None
+        self.recent.add(job.uri, job.prompt_ids, job.out_ids)  # cancelled ones too
         if error is None and (finish == "cancelled" or job.future.done()):
             error = ProtocolError(CANCELLED, "the request was cancelled")
         if error is not None:
