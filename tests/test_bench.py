@@ -141,3 +141,28 @@ def test_latency_throughput_rounds_add_up_tokens_and_time():
                      {"tokens": 100, "wall_s": 3.0, "tokens_per_s": 100 / 3}])  # fmt: skip
     assert (r["tokens"], r["wall_s"], r["tokens_per_s"]) == (200, 5.0, 40.0)
     assert r["rounds"] == [50.0, 33.3]
+
+
+def test_latency_configs_alternate_and_their_runs_average():
+    """``bench latency --configs a,b``: rounds alternate the order (a b b a ...), and a
+    config's figures are the mean of its runs per kind of keystroke, counts summed."""
+    from codespec.daemon.bench.latency import ab_order, mean_latency
+
+    assert ab_order(["a", "b"], 3) == ["a", "b", "b", "a", "a", "b"]
+    assert ab_order(["a", "b", "c"], 2) == ["a", "b", "c", "c", "b", "a"]
+    run = {"n": 3, "first_p50_ms": 80.0, "final_p99_ms": 300.0}
+    other = {"n": 2, "first_p50_ms": 100.0, "final_p99_ms": 500.0}
+    r = mean_latency([{"all": run, "typing": run}, {"all": other, "typing": run}])
+    assert r["all"] == {"n": 5, "first_p50_ms": 90.0, "final_p99_ms": 400.0,
+                        "runs_first_p50_ms": [80.0, 100.0]}  # fmt: skip
+    assert r["typing"]["first_p50_ms"] == 80.0 and r["typing"]["n"] == 6
+
+
+def test_latency_configs_must_exist(tmp_path, capsys):
+    """A config file that is not there is a clear error before any daemon starts."""
+    import pytest
+
+    from codespec.daemon.bench.latency import main
+
+    with pytest.raises(SystemExit, match="no config file"):
+        main(["--configs", f"{tmp_path / 'a.toml'},{tmp_path / 'b.toml'}"])

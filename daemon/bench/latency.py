@@ -33,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from codespec.daemon.client import Client
 from codespec.daemon.engine.models import models_root
@@ -251,6 +252,66 @@ def mean_rounds(runs: list[dict]) -> dict:
             "rounds": [round(r["tokens_per_s"], 1) for r in runs]}  # fmt: skip
 
 
+def ab_order(names: list[str], rounds: int) -> list[str]:
+    """Every name once a round, odd rounds in reverse (A B, B A, ...): a shared machine's
+    drift then hits each alike.
+
+    >>> ab_order(["a", "b"], 2)
+    ['a', 'b', 'b', 'a']
+    """
+    return [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+
+
+def mean_latency(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Several typing replays as one: per kind of keystroke the mean of each run's figure
+    (``n`` summed), each run's first-line p50 kept.
+
+    >>> r = mean_latency([{"all": {"n": 2, "first_p50_ms": 80.0}},
+    ...                   {"all": {"n": 2, "first_p50_ms": 100.0}}])["all"]
+    >>> r["n"], r["first_p50_ms"], r["runs_first_p50_ms"]
+    (4, 90.0, [80.0, 100.0])
+    """
+    out: dict[str, dict[str, float]] = {}
+    for kind in runs[0] if runs else {}:
+        rows = [run[kind] for run in runs if kind in run]
+        merged: dict[str, Any] = {"n": sum(r["n"] for r in rows)}
+        for key in rows[0]:
+            if key != "n":
+                merged[key] = statistics.fmean(r[key] for r in rows)
+        merged["runs_first_p50_ms"] = [round(r["first_p50_ms"], 1) for r in rows]
+        out[kind] = merged
+    return out
+
+
+def compare_configs(
+    args: argparse.Namespace, texts: list[str], extra: list[str]
+) -> tuple[dict, dict]:
+    """``--configs``: one daemon per config file, speculation auto, typing replayed on each
+    in :func:`ab_order` (``--rounds`` rounds); per config the mean of its runs, and the
+    first daemon's ``stats``."""
+    paths = [Path(c) for c in args.configs.split(",") if c]
+    missing = [str(c) for c in paths if not c.is_file()]
+    if missing:
+        raise SystemExit(f"codespec bench latency: no config file {', '.join(missing)}")
+    names = [c.stem for c in paths]
+    if len(set(names)) != len(names):
+        raise SystemExit("codespec bench latency: the config files need distinct names")
+    procs = {}
+    runs: dict[str, list] = {n: [] for n in names}
+    try:
+        for name, path in zip(names, paths, strict=True):
+            procs[name] = start_daemon(args.threads, [*extra, "--config", str(path)])
+        for name in ab_order(names, args.rounds):
+            runs[name].append(typing_latency(procs[name][1], texts, "auto", args.pause_ms / 1000))
+        with Client(procs[names[0]][1]) as c:
+            status = c.request("stats")
+    finally:
+        for proc, _, _ in procs.values():
+            proc.terminate()
+            proc.wait(30)
+    return {name: mean_latency(r) for name, r in runs.items()}, status
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec bench latency", description=__doc__.split("\n")[0])
     p.add_argument("--socket", default=None, help="use a running daemon instead of starting one")
@@ -269,10 +330,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads of a started daemon")
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="device")
     p.add_argument("--model", default=None, help="model of a started daemon (default: default)")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated daemon config files to compare: typing latency only, one "
+        "daemon each, speculation auto, --rounds rounds alternating their order",
+    )
     args = p.parse_args(argv)
     files = [Path(f) for f in args.files.split(",") if f]
     texts = [f.read_text(encoding="utf-8") for f in files]
     extra = ["--device", args.device] + (["--model", args.model] if args.model else [])
+    if args.configs:
+        lat, status = compare_configs(args, texts, extra)
+        report(files, lat, {"auto": {}, "off": {}}, status, "config")
+        return 0
     lat, tp, status = {}, {"auto": {}, "off": {}}, {}
     proc = None
     try:
@@ -300,11 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(files: list[Path], lat: dict, tp: dict, status: dict) -> None:
+def report(
+    files: list[Path], lat: dict, tp: dict, status: dict, label: str = "speculation"
+) -> None:
     print(f"files {', '.join(f.name for f in files)}, model {status.get('model')}, "
           f"{status.get('device')}, {time.strftime('%Y-%m-%d')}")  # fmt: skip
     print("latency of single-line complete (<= 16 tokens, streamed) while typing, ms")
-    head = f"{'speculation':<12}{'keystroke':<10}{'n':>5}{'first p50':>11}{'first p99':>11}"
+    head = f"{label:<12}{'keystroke':<10}{'n':>5}{'first p50':>11}{'first p99':>11}"
     print(head + f"{'final p50':>11}{'final p99':>11}")
     for spec, kinds in lat.items():
         for kind, r in kinds.items():
@@ -312,8 +385,9 @@ def report(files: list[Path], lat: dict, tp: dict, status: dict) -> None:
                 f"{spec:<12}{kind:<10}{r['n']:>5}{r['first_p50_ms']:>11.1f}"
                 f"{r['first_p99_ms']:>11.1f}{r['final_p50_ms']:>11.1f}{r['final_p99_ms']:>11.1f}"
             )
-    print("throughput of multi-line complete (64 tokens), tokens/s")
-    print(f"{'clients':<10}{'off':>10}{'auto':>10}{'auto/off':>10}")
+    if tp["off"]:
+        print("throughput of multi-line complete (64 tokens), tokens/s")
+        print(f"{'clients':<10}{'off':>10}{'auto':>10}{'auto/off':>10}")
     for n in tp["off"]:
         off, auto = tp["off"][n]["tokens_per_s"], tp["auto"][n]["tokens_per_s"]
         print(f"{n:<10}{off:>10.1f}{auto:>10.1f}{auto / off if off else 0:>10.2f}")
