@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import os
 import statistics
@@ -196,14 +197,22 @@ def typing_latency(
     return out
 
 
+_RUNS = itertools.count()
+
+
 def throughput(sock: str, text: str, clients: int, per_client: int, speculation: str) -> dict:
+    """``clients`` clients at once, each on its own copy of ``text`` under a name no earlier
+    run used: the daemon keeps what requests on a document generated as drafts for the next
+    ones there (``ngram:recent``), so a round that asked again at the same spots of the
+    same document would be drafted whole by the round before it."""
     lines = text.splitlines(keepends=True)
     tokens = [0] * clients
     errors: list[str] = []
     barrier = threading.Barrier(clients)
+    run_id = next(_RUNS)
 
     def run(k: int) -> None:
-        uri = f"file:///bench/tp{k}.py"
+        uri = f"file:///bench/tp{run_id}-{k}.py"
         try:
             with Client(sock) as c:
                 c.request("open", {"uri": uri, "text": text})
