@@ -169,14 +169,16 @@ class NgramProposer:
         if self.use_context:  # the prompt's table now, so each propose only extends it
             self._context.extend(request.prompt_ids)
         self._prompt_len = len(request.prompt_ids)
-        self._prediction = None
-        if request.draft_text_ids:
-            self._prediction = SequenceMatcher(self.min_n)
-            self._prediction.extend(request.draft_text_ids)
-        self._recent = None
-        if request.recent_ids:
-            self._recent = SequenceMatcher(self.min_n)
-            self._recent.extend(request.recent_ids)
+        self._prediction = self._matcher(request.draft_text_ids)
+        self._recent = self._matcher(request.recent_ids)
+
+    def _matcher(self, ids: Sequence[int] | None) -> SequenceMatcher | None:
+        """A table over a request's side text (prediction, recent outputs); None if none."""
+        if not ids:
+            return None
+        matcher = SequenceMatcher(self.min_n)
+        matcher.extend(ids)
+        return matcher
 
     @staticmethod
     def _depth(n: int, rank: int, budget: int, max_n: int) -> int:
