@@ -88,10 +88,10 @@ def non_negative_float(text: str) -> float:
 def cmd_generate(args: argparse.Namespace) -> int:
     from codespec.daemon.engine.engine import Engine, GenParams
     from codespec.daemon.text.tracker import TextTracker
-    from codespec.speculators.registry import UnknownProposer, make_proposer, names
+    from codespec.speculators.registry import UnknownProposer, known, make_proposer, names
 
-    if args.speculation not in names():
-        choices = ", ".join(names())
+    if not known(args.speculation):
+        choices = ", ".join([*names(), "auto-NAME"])
         raise CliError(f"unknown speculation {args.speculation!r}; choose one of {choices}")
     prompt = _read_prompt(args)
     if not 0 < args.top_p <= 1:

@@ -18,7 +18,7 @@ from codespec.speculators.book import store_for
 from codespec.speculators.draft import Proposer
 from codespec.speculators.policy import Controller
 
-__all__ = ["FACTORIES", "UnknownProposer", "build", "make_proposer", "names"]
+__all__ = ["FACTORIES", "UnknownProposer", "build", "known", "make_proposer", "names"]
 
 Factory = Callable[[Any, Any], Proposer]
 
@@ -53,6 +53,21 @@ def names() -> list[str]:
     return ["off", "auto", *FACTORIES]
 
 
+def _left_out(name: str) -> tuple[str, ...] | None:
+    """``auto-A-B``: auto without proposers A and B (for side-by-side measurements, e.g.
+    ``auto-eagle``); None for any other name or one naming no proposer."""
+    if not name.startswith("auto-"):
+        return None
+    parts = tuple(name.split("-")[1:])
+    return parts if parts and all(p in FACTORIES and p != "ngram" for p in parts) else None
+
+
+def known(name: str) -> bool:
+    """Whether ``make_proposer`` takes ``name``: one of :func:`names`, or ``auto-A-B``
+    (auto leaving out proposers A and B; n-gram always stays)."""
+    return name in names() or _left_out(name) is not None
+
+
 def build(name: str, target: Any = None, index: Any = None) -> Proposer:
     """The bare proposer ``name`` (no policy: it drafts every step, all it can).
 
@@ -72,17 +87,21 @@ def make_proposer(name: str, target: Any = None, index: Any = None) -> Controlle
         return None
     if name == "auto":
         return _auto(target, index)
+    left_out = _left_out(name)
+    if left_out is not None:
+        return _auto(target, index, left_out)
     return Controller(target, {name: build(name, target, index)}, store_for(target), name=name)
 
 
-def _auto(target: Any, index: Any) -> Controller:
+def _auto(target: Any, index: Any, left_out: tuple[str, ...] = ()) -> Controller:
     """The controller over the n-gram proposer and every other proposer ``target``'s model
     has (one without weights is left out and the store says why; a retired one is not
-    built). Without a target (nothing to measure or read states from): n-gram only."""
+    built; ``left_out`` ones are not built). Without a target (nothing to measure or read
+    states from): n-gram only."""
     store = store_for(target)
     children: dict[str, Proposer] = {"ngram": build("ngram", target, index)}
     for name in FACTORIES:
-        if target is None or name in children:
+        if target is None or name in children or name in left_out:
             continue
         if store.available.get(name) is False or not store.usable(name):
             continue
@@ -92,4 +111,4 @@ def _auto(target: Any, index: Any) -> Controller:
         except (LookupError, ValueError, ImportError) as exc:  # no weights for this model
             store.available[name] = False
             store.why[name] = str(exc)
-    return Controller(target, children, store, name="auto")
+    return Controller(target, children, store, name="-".join(("auto", *left_out)))

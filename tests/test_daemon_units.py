@@ -36,6 +36,7 @@ def test_config_file_and_errors(tmp_path, monkeypatch):
         ("colour = 1\n", "colour: unknown key"),
         ("[limits]\ncolour = 1\n", "limits.colour: unknown key"),
         ("[speculation]\ndefault = 'magic'\n", "speculation: default must be one of"),
+        ("[speculation]\ndefault = 'auto-ngram'\n", "speculation: default must be one of"),
         ("[speculation]\nshorten_at = 33\n", "speculation: off_at must be >= shorten_at"),
         ("[limits]\ncontext_tokens = 10\n", "limits.context_tokens: expected `int` >= 64"),
         ("[limits]\nkv_slots = 0\n", "limits.kv_slots: expected `int` >= 1"),
@@ -50,6 +51,8 @@ def test_config_file_and_errors(tmp_path, monkeypatch):
         assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml")
+    cfg.write_text("[speculation]\ndefault = 'auto-eagle'\n")  # auto without EAGLE
+    assert load_config().speculation.default == "auto-eagle"
     cfg.write_text("[workspace]\ndebounce_s = 1\n")  # an integer for a float is fine
     assert load_config().workspace.debounce_s == 1.0
 

@@ -453,6 +453,25 @@ def test_auto_leaves_out_proposers_without_weights(engine, spec_engine):
     assert out == plain(spec_engine, prompt, 24)
 
 
+def test_auto_minus_a_proposer_leaves_it_out(spec_engine):
+    """``auto-eagle`` (a side-by-side method of the benches): auto without EAGLE, beside a
+    model that has a head; n-gram cannot be left out, unknown names are not taken."""
+    from codespec.speculators.registry import UnknownProposer, known
+
+    forget(spec_engine)
+    assert known("auto-eagle") and known("auto-eagle-lookahead") and known("auto")
+    assert not known("auto-ngram") and not known("auto-nothing") and not known("auto-")
+    ctl = make_proposer("auto-eagle", spec_engine, None)
+    assert list(ctl.children) == ["ngram", "lookahead"]
+    assert list(make_proposer("auto-eagle-lookahead", spec_engine, None).children) == ["ngram"]
+    assert "eagle" in make_proposer("auto", spec_engine, None).children
+    with pytest.raises(UnknownProposer):
+        make_proposer("auto-ngram", spec_engine, None)
+    prompt = heldout_prompts(spec_engine, 1, tokens=100, seed=5)[0]
+    out, _ = run(spec_engine, prompt, ctl, n=16)
+    assert out == plain(spec_engine, prompt, 16)
+
+
 def test_weights_that_do_not_fit_are_reported(engine, tmp_path):
     """A head made for another model is left out by auto, and the summary says why."""
     import shutil

@@ -266,10 +266,10 @@ def parse_methods(text: str, peers: tuple[str, ...] = PEERS) -> tuple[list[str],
     """The methods a comma-separated list names, ``off`` first (added when absent), and the
     names that are neither a proposer (``NAME@K``: at most K draft tokens a forward) nor
     one of ``peers``."""
-    from codespec.speculators.registry import names
+    from codespec.speculators.registry import known
 
     methods = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in methods if m.partition("@")[0] not in names() and m not in peers]
+    bad = [m for m in methods if not known(m.partition("@")[0]) and m not in peers]
     if "off" not in methods:
         methods.insert(0, "off")
     return methods, bad

@@ -144,11 +144,11 @@ def find_llama(args: argparse.Namespace) -> tuple[LlamaCpp | None, Path | None, 
 
 def main(argv: list[str] | None = None) -> int:
     from codespec.daemon.bench.methods import load_workload, open_engine
-    from codespec.speculators.registry import names
+    from codespec.speculators.registry import known
 
     args = build_parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m.partition("@")[0] not in names()]
+    bad = [m for m in methods if not known(m.partition("@")[0])]
     if bad:
         print(f"codespec bench peers: unknown methods {bad}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from codespec.daemon.service.connection import Connection, Handler, Waiting, can
 from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError, parse
 from codespec.daemon.service.scheduler import Job, JobResult, prepared_job
 from codespec.speculators.policy import summary as policy_summary
+from codespec.speculators.registry import known as known_proposer
 from codespec.speculators.registry import names as proposer_names
 
 if TYPE_CHECKING:
@@ -83,10 +84,9 @@ class Methods:
         """The request's generation parameters and speculation, checked against the config."""
         cfg = self.srv.config
         speculation = p.speculation or cfg.speculation.default
-        if speculation not in proposer_names():
-            raise ProtocolError(
-                BAD_PARAMS, f"speculation must be one of {', '.join(proposer_names())}"
-            )
+        if not known_proposer(speculation):
+            choices = ", ".join([*proposer_names(), "auto-NAME"])
+            raise ProtocolError(BAD_PARAMS, f"speculation must be one of {choices}")
         max_tokens = default_tokens if p.max_tokens is None else p.max_tokens
         if max_tokens > cfg.limits.max_tokens:
             raise ProtocolError(
