@@ -166,3 +166,25 @@ def test_latency_configs_must_exist(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match="no config file"):
         main(["--configs", f"{tmp_path / 'a.toml'},{tmp_path / 'b.toml'}"])
+
+
+def test_latency_typist_leaves_speculation_to_the_daemon_when_told():
+    """``--configs`` compares daemons by their config files, ``[speculation] default``
+    included: its requests name no speculation; the plain bench's name theirs."""
+    from codespec.daemon.bench.latency import Typist
+
+    class Recorder:
+        def __init__(self):
+            self.sent = []
+
+        def request(self, method, params, on_delta=None):
+            self.sent.append((method, params))
+            return {}
+
+    for speculation, want in [(None, None), ("off", "off")]:
+        c = Recorder()
+        t = Typist(c, ["x = 1\n"], speculation, 0.0)
+        t.complete(0, 0, 1, "typing")
+        (params,) = [p for m, p in c.sent if m == "complete"]
+        assert params.get("speculation") == want
+        assert ("speculation" in params) == (want is not None)

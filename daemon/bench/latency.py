@@ -116,7 +116,9 @@ class Typist:
     """One editor's document state over the socket: open files, retype a line at a
     spot with a completion after every keystroke, timing each one."""
 
-    def __init__(self, c: Client, texts: list[str], speculation: str, pause_s: float) -> None:
+    def __init__(
+        self, c: Client, texts: list[str], speculation: str | None, pause_s: float
+    ) -> None:
         self.c, self.speculation, self.pause_s = c, speculation, pause_s
         self.lines = [t.splitlines(keepends=True) for t in texts]
         self.versions = [0] * len(texts)
@@ -138,12 +140,13 @@ class Typist:
     def complete(self, f: int, line: int, col: int, kind: str) -> None:
         t0 = time.perf_counter()
         got: list[float] = []
+        params = {"uri": self.uri(f), "position": {"line": line, "character": col},
+                  "max_tokens": 16, "stream": True}  # fmt: skip
+        if self.speculation is not None:  # else the daemon's default
+            params["speculation"] = self.speculation
         self.c.request(
-            "complete",
-            {"uri": self.uri(f), "position": {"line": line, "character": col}, "max_tokens": 16,
-             "stream": True, "speculation": self.speculation},
-            lambda _f: got.append(time.perf_counter()) if not got else None,
-        )  # fmt: skip
+            "complete", params, lambda _f: got.append(time.perf_counter()) if not got else None
+        )
         t1 = time.perf_counter()
         self.final.setdefault(kind, []).append((t1 - t0) * 1000)
         self.first.setdefault(kind, []).append(((got[0] if got else t1) - t0) * 1000)
@@ -165,7 +168,7 @@ class Typist:
 
 
 def typing_latency(
-    sock: str, texts: list[str], speculation: str, pause_s: float
+    sock: str, texts: list[str], speculation: str | None, pause_s: float
 ) -> dict[str, dict[str, float]]:
     """Replay typing at real spots (see :func:`spots`): per kind of keystroke —
     ``newline`` (the first spot), ``jump`` (another function of the same file),
@@ -295,7 +298,8 @@ def mean_latency(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str,
 def compare_configs(
     args: argparse.Namespace, texts: list[str], extra: list[str]
 ) -> tuple[dict, dict]:
-    """``--configs``: one daemon per config file, speculation auto, typing replayed on each
+    """``--configs``: one daemon per config file, each request with that daemon's default
+    speculation (``[speculation] default``, auto unless the file says), typing replayed on each
     in :func:`ab_order` (``--rounds`` rounds); per config the mean of its runs, and the
     first daemon's ``stats``."""
     paths = [Path(c) for c in args.configs.split(",") if c]
@@ -311,7 +315,7 @@ def compare_configs(
         for name, path in zip(names, paths, strict=True):
             procs[name] = start_daemon(args.threads, [*extra, "--config", str(path)])
         for name in ab_order(names, args.rounds):
-            runs[name].append(typing_latency(procs[name][1], texts, "auto", args.pause_ms / 1000))
+            runs[name].append(typing_latency(procs[name][1], texts, None, args.pause_ms / 1000))
         with Client(procs[names[0]][1]) as c:
             status = c.request("stats")
     finally:
@@ -343,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         default=None,
         help="comma-separated daemon config files to compare: typing latency only, one "
-        "daemon each, speculation auto, --rounds rounds alternating their order",
+        "daemon each, its default speculation, --rounds rounds alternating their order",
     )
     args = p.parse_args(argv)
     files = [Path(f) for f in args.files.split(",") if f]
