@@ -290,7 +290,10 @@ def load_head(path: str | Path, embed: torch.Tensor) -> EagleHead:
     head = EagleHead(cfg, embed)
     if not (path / WEIGHTS).exists():
         raise ValueError(f"no {WEIGHTS} in {path}")
-    raw = load_file(str(path / WEIGHTS))
+    try:
+        raw = load_file(str(path / WEIGHTS))
+    except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+        raise ValueError(f"cannot read {path / WEIGHTS}: {exc}") from None
     state = {k.replace("midlayer.", "layers.0."): v for k, v in raw.items()}
     state.pop("embed_tokens.weight", None)
     own = head.state_dict()
@@ -302,6 +305,9 @@ def load_head(path: str | Path, embed: torch.Tensor) -> EagleHead:
     extra = sorted(set(state) - set(own))
     if missing or extra:
         raise ValueError(f"head weights do not match the config: missing {missing}, extra {extra}")
+    wrong = sorted(k for k, v in state.items() if tuple(v.shape) != tuple(own[k].shape))
+    if wrong:
+        raise ValueError(f"head weights do not match the config's shapes: {wrong}")
     head.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()})
     return head.eval()
 

@@ -126,6 +126,21 @@ def test_fp16_file_and_bad_folder(target, tmp_path):
     (tmp_path / "bad" / "config.json").write_text(json.dumps({"speculators_model_type": "x"}))
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         load_head(tmp_path / "bad", target.get_input_embeddings().weight)
+    # a truncated weights file, and one whose tensors have other shapes: ValueErrors too
+    # (what load_runtime turns into "cannot load the EAGLE head", auto leaving it out)
+    import shutil
+
+    shutil.copytree(tmp_path / "h", tmp_path / "cut")
+    data = (tmp_path / "h" / "model.safetensors").read_bytes()
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read"):
+        load_head(tmp_path / "cut", target.get_input_embeddings().weight)
+    other = make_head(target, draft_vocab=32)
+    save_head(other, tmp_path / "other")
+    weights = "model.safetensors"
+    shutil.copyfile(tmp_path / "other" / weights, tmp_path / "cut" / weights)
+    with pytest.raises(ValueError, match="shapes"):
+        load_head(tmp_path / "cut", target.get_input_embeddings().weight)
 
 
 def test_runner_matches_the_training_forward(target):
