@@ -5,7 +5,7 @@
 # there), fetches the default model, then on the GPU, for each workload
 # (completion, edit, novel; made by `codespec bench make-workloads` into
 # WORKLOAD_DIR when it holds none): every method side by side (off, ngram,
-# lookahead, auto, and eagle when the model has a head), their per-token ms and
+# lookahead, auto, and eagle and auto-eagle when the model has a head), their per-token ms and
 # speedup over off, and a check that every method's output equals off's token
 # for token. Exits 1 when one does not, or when there is no CUDA device.
 #
@@ -54,7 +54,7 @@ try:
 except Exception:
     sys.exit(1)
 EOF
-  methods=$methods,eagle
+  methods=$methods,eagle,auto-eagle  # auto-eagle: what auto gains from the head
 fi
 
 status=0

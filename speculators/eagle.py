@@ -4,7 +4,8 @@ Owns: :class:`EagleProposer` (the Proposer protocol with ``taps``,
 ``prefilled`` and ``follow``), the head's cache bookkeeping per request, the
 draft-tree growth (:func:`grow_draft`, EAGLE-2's dynamic tree; a chain when
 ``topk`` is 1), and finding the head shipped beside a model
-(:func:`load_runtime`, loaded once per target model).
+(:func:`head_dir`: ``MODEL/eagle``, else the head shipped for the model's exact
+weights in ``heads/``; :func:`load_runtime`, loaded once per target model).
 
 Must not touch: the target model or its cache, verification, the engine's
 loop, how deep to draft or whether to draft at all (the policy chooses the
@@ -43,6 +44,7 @@ import torch
 
 from codespec.speculators.draft import Draft, MissingWeights, RequestInfo, StepResult
 from codespec.speculators.eagle_head import HeadRunner, load_head, read_config
+from codespec.speculators.heads import packaged_head
 from codespec.speculators.target import TargetModel
 
 __all__ = [
@@ -67,8 +69,13 @@ class NoEagleWeights(NoEagleHead, MissingWeights):
 
 
 def head_dir(model_path: str | Path) -> Path:
-    """Where a model's head lives: ``MODEL/eagle`` (config.json + model.safetensors)."""
-    return Path(model_path) / "eagle"
+    """Where a model's head lives: ``MODEL/eagle`` (config.json + model.safetensors) when
+    one was put there (a head trained here wins), else the head shipped with codespec for
+    this model's exact weights (``heads/``), else ``MODEL/eagle`` (where none is yet)."""
+    own = Path(model_path) / "eagle"
+    if (own / "config.json").exists():
+        return own
+    return packaged_head(model_path) or own
 
 
 @dataclass

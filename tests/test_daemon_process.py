@@ -16,6 +16,7 @@ import pytest
 
 from codespec.daemon.client import Client
 from codespec.daemon.engine.lean import gguf_products
+from codespec.speculators.heads import HEADS_DIR
 
 # `serve` loads the default model: fetched (once) before a daemon starts; the daemons find it
 # through CODESPEC_MODELS (conftest), whatever XDG_CACHE_HOME they get
@@ -96,12 +97,13 @@ def test_serve_lifecycle(tmp_path):
             s = json.loads(status.stdout)
             assert s["model"] == "SmolLM2-135M-Instruct" and s["documents"] == 1
             assert s["kv_slots"] == 2  # the config file's limits.kv_slots reached the engine
-            assert s["policy"]["weights"]["eagle"] == "no weights for this model"
+            shipped = f"weights in {HEADS_DIR / 'smollm2-135m-instruct'}"  # loaded with it
+            assert s["policy"]["weights"]["eagle"] == shipped
             if s["runner"] == "lean":  # the default model runs from its GGUF's own blocks
                 products = "int8 activations" if gguf_products() == "int8" else "exact"
                 assert s["cpu_kernel"] == f"qgemm, GGUF blocks Q4_1/Q8_0, {products} products"
             text = cli(env, "status", timeout=60)
-            assert "weights    eagle: no weights for this model" in text.stdout, text.stdout
+            assert f"weights    eagle: {shipped}" in text.stdout, text.stdout
             assert s["requests"]["served"] >= 1
 
             proc.send_signal(signal.SIGTERM)

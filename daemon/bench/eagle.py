@@ -216,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=6, help="the deepest draft")
     p.add_argument("--topk", type=int, default=0, help="override the tree's top-k")
     p.add_argument("--nodes", type=int, default=12, help="the most draft nodes per step")
-    p.add_argument("--head", default=None, help="head folder (default: MODEL/eagle)")
+    p.add_argument(
+        "--head",
+        default=None,
+        help="head folder (default: MODEL/eagle, else the one shipped for the model)",
+    )
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each")
     p.add_argument("--reps", type=int, default=30, help="repetitions of each cost measurement")
     add_engine_args(p, threads=1)

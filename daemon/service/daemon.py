@@ -43,6 +43,17 @@ class SocketInUse(RuntimeError):
     """Another daemon answers on the socket path."""
 
 
+def _preload(engine: Any, speculation: str) -> None:
+    """Build ``speculation``'s proposers once (what they load is kept per model: the
+    EAGLE head's runner). Missing or unfitting weights are left for a request to report."""
+    from codespec.speculators.registry import make_proposer
+
+    try:
+        make_proposer(speculation, engine)
+    except (LookupError, ValueError, ImportError) as exc:
+        log.info("speculation %s: %s", speculation, exc)
+
+
 def socket_is_live(path: str, timeout: float = 1.0) -> bool:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
@@ -106,6 +117,9 @@ class Server:
             )
         # the policy's first cost table: a few timed forwards, before the first request
         seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
+        # the default method's proposers built once, so that a head (the EAGLE head shipped
+        # with the default model) loads now and not inside the first completion
+        await asyncio.to_thread(_preload, self.engine, self.config.speculation.default)
         self.index = self._load_index()
         self.scheduler = Scheduler(
             self.engine,
