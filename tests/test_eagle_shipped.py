@@ -49,6 +49,9 @@ def test_a_shipped_head_fits_only_the_weights_it_was_trained_on(tmp_path):
     (tmp_path / "broken" / MANIFEST).write_text("not json")
     assert packaged_head(tmp_path / "broken", heads) is None
     assert index(tmp_path / "nowhere") == []
+    from codespec.daemon.engine import models
+
+    assert models.MANIFEST == MANIFEST  # the name this module reads is the one written
 
 
 def test_a_shipped_head_missing_its_weights_is_not_offered(tmp_path):

@@ -50,7 +50,8 @@ def packaged_head(model_path: str | Path, root: Path = HEADS_DIR) -> Path | None
     if sha is None:
         return None
     for head in index(root):
-        if sha in head.get("gguf_sha256", ()):
+        shas = head.get("gguf_sha256")
+        if isinstance(shas, list) and sha in shas:
             folder = root / str(head.get("folder", ""))
             if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
                 return folder
