@@ -130,10 +130,14 @@ def test_the_real_index_names_existing_files(missing):
 
 def test_the_daemon_loads_the_head_before_the_first_request(real_engine, tmp_path):
     """A daemon on the default model builds auto's proposers at start: the shipped head's
-    runner is loaded before any completion asks for it."""
+    runner is loaded before any completion asks for it. (What earlier tests taught the
+    policy on this engine is forgotten first, as a new daemon starts: a head they retired
+    is not built.)"""
     from codespec.speculators import eagle
+    from codespec.speculators.book import forget
     from conftest import ServerThread, daemon_config
 
+    forget(real_engine)
     eagle._RUNTIMES.pop(real_engine, None)
     server = ServerThread(daemon_config(tmp_path), real_engine)
     try:
