@@ -145,3 +145,22 @@ def test_the_daemon_loads_the_head_before_the_first_request(real_engine, tmp_pat
         assert [rt.path for rt in loaded.values()] == [HEADS_DIR / "smollm2-135m-instruct"]
     finally:
         server.stop()
+
+
+def test_a_proposer_that_fails_to_load_does_not_stop_the_daemon(engine, tmp_path, monkeypatch):
+    """Whatever building the default method's proposers raises at start is logged; the
+    daemon starts and answers."""
+    from codespec.daemon.client import Client
+    from codespec.speculators import registry
+    from conftest import ServerThread, daemon_config
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a head that cannot be read")
+
+    monkeypatch.setattr(registry, "make_proposer", broken)
+    server = ServerThread(daemon_config(tmp_path), engine)
+    try:
+        with Client(server.socket_path) as c:
+            assert c.request("stats")["model"]
+    finally:
+        server.stop()

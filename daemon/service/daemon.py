@@ -45,13 +45,16 @@ class SocketInUse(RuntimeError):
 
 def _preload(engine: Any, speculation: str) -> None:
     """Build ``speculation``'s proposers once (what they load is kept per model: the
-    EAGLE head's runner). Missing or unfitting weights are left for a request to report."""
+    EAGLE head's runner). Whatever fails is logged and left for a request to report: the
+    daemon starts without it."""
     from codespec.speculators.registry import make_proposer
 
     try:
         make_proposer(speculation, engine)
-    except (LookupError, ValueError, ImportError) as exc:
+    except (LookupError, ValueError, ImportError) as exc:  # no weights, weights that do not fit
         log.info("speculation %s: %s", speculation, exc)
+    except Exception as exc:  # anything else a proposer's loading raises
+        log.warning("speculation %s could not be prepared: %s", speculation, exc)
 
 
 def socket_is_live(path: str, timeout: float = 1.0) -> bool:
