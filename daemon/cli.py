@@ -88,11 +88,10 @@ def non_negative_float(text: str) -> float:
 def cmd_generate(args: argparse.Namespace) -> int:
     from codespec.daemon.engine.engine import Engine, GenParams
     from codespec.daemon.text.tracker import TextTracker
-    from codespec.speculators.registry import UnknownProposer, known, make_proposer, names
+    from codespec.speculators.registry import UnknownProposer, choices, known, make_proposer
 
     if not known(args.speculation):
-        choices = ", ".join([*names(), "auto-NAME"])
-        raise CliError(f"unknown speculation {args.speculation!r}; choose one of {choices}")
+        raise CliError(f"unknown speculation {args.speculation!r}; choose one of {choices()}")
     prompt = _read_prompt(args)
     if not 0 < args.top_p <= 1:
         raise CliError(f"--top-p must be in (0, 1], got {args.top_p}")

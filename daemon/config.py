@@ -105,11 +105,10 @@ class Speculation(_Section):
 
     def __post_init__(self) -> None:
         if self.default not in ("auto", "off"):
-            from codespec.speculators.registry import known, names
+            from codespec.speculators.registry import choices, known
 
             if not known(self.default):
-                choices = ", ".join([*names(), "auto-NAME"])
-                raise ValueError(f"default must be one of {choices}, got {self.default!r}")
+                raise ValueError(f"default must be one of {choices()}, got {self.default!r}")
         if self.off_at < self.shorten_at:
             raise ValueError("off_at must be >= shorten_at")
 

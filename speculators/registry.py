@@ -18,7 +18,7 @@ from codespec.speculators.book import store_for
 from codespec.speculators.draft import Proposer
 from codespec.speculators.policy import Controller
 
-__all__ = ["FACTORIES", "UnknownProposer", "build", "known", "make_proposer", "names"]
+__all__ = ["FACTORIES", "UnknownProposer", "build", "choices", "known", "make_proposer", "names"]
 
 Factory = Callable[[Any, Any], Proposer]
 
@@ -66,6 +66,11 @@ def known(name: str) -> bool:
     """Whether ``make_proposer`` takes ``name``: one of :func:`names`, or ``auto-A-B``
     (auto leaving out proposers A and B; n-gram always stays)."""
     return name in names() or _left_out(name) is not None
+
+
+def choices() -> str:
+    """What :func:`known` takes, in words for an error message."""
+    return ", ".join([*names(), "auto-NAME"])
 
 
 def build(name: str, target: Any = None, index: Any = None) -> Proposer:

@@ -27,6 +27,7 @@ from codespec.daemon.service.connection import Connection, Handler, Waiting, can
 from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError, parse
 from codespec.daemon.service.scheduler import Job, JobResult, prepared_job
 from codespec.speculators.policy import summary as policy_summary
+from codespec.speculators.registry import choices as proposer_choices
 from codespec.speculators.registry import known as known_proposer
 from codespec.speculators.registry import names as proposer_names
 
@@ -85,8 +86,7 @@ class Methods:
         cfg = self.srv.config
         speculation = p.speculation or cfg.speculation.default
         if not known_proposer(speculation):
-            choices = ", ".join([*proposer_names(), "auto-NAME"])
-            raise ProtocolError(BAD_PARAMS, f"speculation must be one of {choices}")
+            raise ProtocolError(BAD_PARAMS, f"speculation must be one of {proposer_choices()}")
         max_tokens = default_tokens if p.max_tokens is None else p.max_tokens
         if max_tokens > cfg.limits.max_tokens:
             raise ProtocolError(
