@@ -247,6 +247,44 @@ def test_one_region_forward_equals_a_region_per_product(model_file: Path, monkey
             assert torch.equal(a, b), f"threads={threads}"
 
 
+def test_a_long_forward_that_waits_does_not_stop_the_decode_steps_spinning(
+    monkeypatch,
+) -> None:
+    """The one-region forward's barriers spin, and sleep at once for a while after a
+    forward whose waits outlasted the spin (a busy machine). A prefill's waits outlast it
+    because its steps are long: that must not turn spinning off for the decode steps after
+    it (it did, and each decode step then slept at its ~330 barriers: 3x slower on an idle
+    machine). Forwards of 1, up to 16, up to 64 and more tokens learn apart."""
+    lib = quant_gemm.library()
+    if lib is None:
+        pytest.skip("no quantized kernel")
+    monkeypatch.delenv("CODESPEC_SPIN_US", raising=False)
+    lib.cs_lean_spin_reset()  # (earlier tests ran 3 threads on 2 cores: they slept)
+    try:
+        spin = lib.cs_lean_spin_ns(1)
+        assert spin > 0
+        lib.cs_lean_spin_observe(1000, spin, 330, 200)  # a prefill: most waits slept
+        assert lib.cs_lean_spin_ns(1000) == 0  # the next prefills sleep at once
+        assert lib.cs_lean_spin_ns(65) == 0
+        assert lib.cs_lean_spin_ns(1) == spin  # the decode steps still spin
+        assert lib.cs_lean_spin_ns(16) == spin  # and the verifications
+        assert lib.cs_lean_spin_ns(64) == spin
+        lib.cs_lean_spin_observe(16, spin, 330, 42)  # a verification, over one wait in 8
+        assert lib.cs_lean_spin_ns(2) == 0
+        assert lib.cs_lean_spin_ns(1) == spin
+        lib.cs_lean_spin_observe(64, spin, 330, 42)
+        assert lib.cs_lean_spin_ns(17) == 0
+        lib.cs_lean_spin_observe(1, spin, 330, 41)  # one wait in 8 or fewer: still spins
+        assert lib.cs_lean_spin_ns(1) == spin
+        lib.cs_lean_spin_observe(1, spin, 330, 42)  # decode steps that waited: now they sleep
+        assert lib.cs_lean_spin_ns(1) == 0
+        lib.cs_lean_spin_reset()
+        lib.cs_lean_spin_observe(1, 0, 330, 330)  # a forward that did not spin teaches nothing
+        assert lib.cs_lean_spin_ns(1) == spin
+    finally:
+        lib.cs_lean_spin_reset()
+
+
 def _walk_end(logits: torch.Tensor, ids: list[int], parents: list[int] | None) -> int:
     """The row where greedy verification (speculators.verify.verify_greedy, what the engine
     runs) stops over [root] + draft: row 0 the root, ``parents`` per row (None: a chain)."""

@@ -424,28 +424,41 @@ struct Barrier {
 // Spin or not, per forward: spin (SPIN_US, env CODESPEC_SPIN_US, 0 never) until a forward's
 // waits often outlast the spin (more than one in 8: threads descheduled, the machine is
 // busy); then sleep at once for PAUSE forwards (doubling to 1024 while it stays busy)
-// before one forward tries spinning again.
+// before one forward tries spinning again. Kept apart by the forward's size (1 token, up to
+// 16, up to 64, more): a prefill's waits outlast the spin because its steps are long, not
+// because the machine is busy, and sleeping costs it little; the decode steps after it
+// must not learn from it (they did: a 1,000-token prefill left the next decode steps
+// sleeping at each of their ~330 barriers, 3x slower on an idle machine).
 struct SpinPolicy {
-  std::atomic<int64_t> forwards{0}, skip_until{0}, pause{16};
+  struct State {
+    std::atomic<int64_t> forwards{0}, skip_until{0}, pause{16};
+  };
+  static constexpr int SIZES = 4;
+  State size[SIZES];
+  std::atomic<int64_t> forwards{0};
   int64_t spin_ns = -1;
 
-  int64_t spin_for_next() {
+  static int size_of(int64_t T) { return T <= 1 ? 0 : T <= 16 ? 1 : T <= 64 ? 2 : 3; }
+  int64_t spin_for_next(int64_t T) {
     if (spin_ns < 0) {
       const char* e = std::getenv("CODESPEC_SPIN_US");
       const double us = e ? std::atof(e) : 50.0;
       spin_ns = us > 0 ? static_cast<int64_t>(us * 1000.0) : 0;
     }
-    return forwards.load() >= skip_until.load() ? spin_ns : 0;
+    const State& s = size[size_of(T)];
+    return s.forwards.load() >= s.skip_until.load() ? spin_ns : 0;
   }
-  void after(int64_t spun_ns, int64_t waits, int64_t slept) {
-    const int64_t n = forwards.fetch_add(1) + 1;
+  void after(int64_t T, int64_t spun_ns, int64_t waits, int64_t slept) {
+    forwards.fetch_add(1);
+    State& s = size[size_of(T)];
+    const int64_t n = s.forwards.fetch_add(1) + 1;
     if (spun_ns <= 0 || waits == 0) return;
     if (slept * 8 > waits) {
-      const int64_t p = pause.load();
-      skip_until.store(n + p);
-      pause.store(p < 1024 ? 2 * p : 1024);
+      const int64_t p = s.pause.load();
+      s.skip_until.store(n + p);
+      s.pause.store(p < 1024 ? 2 * p : 1024);
     } else {
-      pause.store(16);
+      s.pause.store(16);
     }
   }
 };
@@ -782,6 +795,21 @@ int cs_lean_version() { return 1; }
 // Forwards run as one parallel region so far (team_ok), for tests and diagnostics.
 int64_t cs_lean_team_forwards() { return spin_policy().forwards.load(); }
 
+// The spin (ns, 0: sleep at once) the next one-region forward of T tokens gets at its
+// barriers; and the spin policy told what a forward of T tokens saw (what cs_lean_forward
+// does after each one): for tests and diagnostics.
+int64_t cs_lean_spin_ns(int64_t T) { return spin_policy().spin_for_next(T); }
+void cs_lean_spin_observe(int64_t T, int64_t spun_ns, int64_t waits, int64_t slept) {
+  spin_policy().after(T, spun_ns, waits, slept);
+}
+// Forget what the spin policy learnt (every size spins again), for tests.
+void cs_lean_spin_reset() {
+  for (auto& s : spin_policy().size) {
+    s.skip_until.store(0);
+    s.pause.store(16);
+  }
+}
+
 // The forward (see Fwd). Returns 0 (with Fwd::stop: the logit rows computed, >= 1); -1 a
 // product refused (an unknown type, a missing
 // panel product), -2 a bad layout (a position outside the RoPE tables, a token seeing a
@@ -795,7 +823,7 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
   if (!per_product && team_ok(*m)) {
     thread_local Barrier bar;
     SpinPolicy& sp = spin_policy();
-    bar.spin_ns = sp.spin_for_next();
+    bar.spin_ns = sp.spin_for_next(f->T);
     bar.waits = 0;
     bar.slept = 0;
     int rc;
@@ -805,7 +833,7 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
     else
 #endif
       rc = zs::forward_team(*m, *f, bar);
-    sp.after(bar.spin_ns, bar.waits.load(), bar.slept.load());
+    sp.after(f->T, bar.spin_ns, bar.waits.load(), bar.slept.load());
     return rc;
   }
 #ifdef LS_X86
