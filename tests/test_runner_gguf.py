@@ -263,7 +263,12 @@ def test_a_long_forward_that_waits_does_not_stop_the_decode_steps_spinning(
     try:
         spin = lib.cs_lean_spin_ns(1)
         assert spin > 0
+        trips = lib.cs_lean_spin_trips(1000), lib.cs_lean_spin_trips(1)
         lib.cs_lean_spin_observe(1000, spin, 330, 200)  # a prefill: most waits slept
+        assert (lib.cs_lean_spin_trips(1000), lib.cs_lean_spin_trips(1)) == (
+            trips[0] + 1,
+            trips[1],
+        )
         assert lib.cs_lean_spin_ns(1000) == 0  # the next prefills sleep at once
         assert lib.cs_lean_spin_ns(65) == 0
         assert lib.cs_lean_spin_ns(1) == spin  # the decode steps still spin

@@ -431,7 +431,7 @@ struct Barrier {
 // sleeping at each of their ~330 barriers, 3x slower on an idle machine).
 struct SpinPolicy {
   struct State {
-    std::atomic<int64_t> forwards{0}, skip_until{0}, pause{16};
+    std::atomic<int64_t> forwards{0}, skip_until{0}, pause{16}, trips{0};
   };
   static constexpr int SIZES = 4;
   State size[SIZES];
@@ -454,6 +454,7 @@ struct SpinPolicy {
     const int64_t n = s.forwards.fetch_add(1) + 1;
     if (spun_ns <= 0 || waits == 0) return;
     if (slept * 8 > waits) {
+      s.trips.fetch_add(1);
       const int64_t p = s.pause.load();
       s.skip_until.store(n + p);
       s.pause.store(p < 1024 ? 2 * p : 1024);
@@ -801,6 +802,13 @@ int64_t cs_lean_team_forwards() { return spin_policy().forwards.load(); }
 int64_t cs_lean_spin_ns(int64_t T) { return spin_policy().spin_for_next(T); }
 void cs_lean_spin_observe(int64_t T, int64_t spun_ns, int64_t waits, int64_t slept) {
   spin_policy().after(T, spun_ns, waits, slept);
+}
+// Forwards of T tokens' size so far, and how many of them turned spinning off.
+int64_t cs_lean_spin_forwards(int64_t T) {
+  return spin_policy().size[SpinPolicy::size_of(T)].forwards.load();
+}
+int64_t cs_lean_spin_trips(int64_t T) {
+  return spin_policy().size[SpinPolicy::size_of(T)].trips.load();
 }
 // Forget what the spin policy learnt (every size spins again), for tests.
 void cs_lean_spin_reset() {
