@@ -74,6 +74,20 @@ def test_a_crashing_binary_is_a_reason(tmp_path):
         llamacpp.run_plain(llama, llamacpp.Options(), tmp_path / "m.gguf", tmp_path / "p.txt")
 
 
+def test_the_peers_run_without_the_wait_policy_codespec_set(tmp_path, monkeypatch):
+    """codespec sets OMP_WAIT_POLICY=PASSIVE for itself (unless the user chose one);
+    llama.cpp's OpenMP threads inherited it and slept at every barrier (3.5x slower than
+    the same binary from a shell). A policy the user chose is theirs and stays."""
+    import codespec.daemon as daemon_pkg
+
+    exe = _fake(tmp_path / "llama-bench", 'printf "%s" "${OMP_WAIT_POLICY-unset}"\n')
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(daemon_pkg, "OMP_WAIT_POLICY_OURS", True)
+    assert llamacpp.run_binary([str(exe)], 30)[0] == "unset"
+    monkeypatch.setattr(daemon_pkg, "OMP_WAIT_POLICY_OURS", False)  # the user's own
+    assert llamacpp.run_binary([str(exe)], 30)[0] == "PASSIVE"
+
+
 def test_cpu_flags_name_each_feature_and_never_native_or_amx():
     info = "processor : 0\nflags : fpu sse avx avx2 fma f16c bmi2 avx512f amx_tile\n"
     flags = llamacpp.cpu_flags(info)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from codespec.daemon import child_env
 from codespec.daemon.engine.models import file_lock
 
 SDIST = "llama-cpp-python"
@@ -413,7 +414,8 @@ def run_binary(cmd: list[str], timeout: float) -> tuple[str, str]:
     name = Path(cmd[0]).name
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
-                              timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+                              timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=child_env())  # fmt: skip
     except subprocess.TimeoutExpired:
         raise LlamaFailed(f"{name} took over {timeout:.0f}s") from None
     except OSError as exc:
