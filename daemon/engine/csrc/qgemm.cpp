@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -459,6 +460,18 @@ void scatter_block(const Desc& ds, const Ref& r, int64_t b, const uint8_t* in) {
 inline int64_t group_end(int64_t p, int64_t p1) {
   const int64_t end = (p / GROUP + 1) * GROUP;
   return end < p1 ? end : p1;
+}
+
+// Whether the many-row int8 products (AVX-512 VNNI) fetch the next group of panels while
+// their later passes read the current one from cache (CODESPEC_PREFETCH=0: not, for
+// comparisons). Measured on Zen 5, 2 threads, 1,000 cached tokens, the same process
+// alternating: a 16-token forward 12.97 against 13.70 ms, 8 tokens 8.46 / 8.66, 64 the same.
+inline bool prefetch_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("CODESPEC_PREFETCH");
+    return !(e && e[0] == '0');
+  }();
+  return on;
 }
 
 // Rows this many at a time in the scratch paths: x's slice stays in L2 (64 x K floats)
@@ -1453,9 +1466,20 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   // More rows: group by group (its bytes come from memory once, then from cache), four
   // rows x two panels a pass. Measured on Zen 4 against 4 x 4 (spills) and 8 rows x 1
   // panel (reads every fourth group of four k from memory, then the rest).
+  const int64_t passes = (M + 3) / 4;
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
+    // The next group's bytes, fetched a slice before each pass that reads from cache.
+    const uint8_t* next = end < p1 && end % GROUP == 0 ? ai.a.P + end * ai.a.pstride : nullptr;
+    const int64_t nbytes =
+        next ? (ai.a.npanel - end < GROUP ? ai.a.npanel - end : GROUP) * ai.a.pstride : 0;
     for (int64_t m = 0; m < M; m += 4) {
+      if (m > 0 && next && prefetch_on()) {
+        const int64_t s0 = nbytes * (m / 4 - 1) / (passes - 1);
+        const int64_t s1 = nbytes * (m / 4) / (passes - 1);
+        for (int64_t o = s0 & ~int64_t{63}; o < s1; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+      }
       switch (M - m < 4 ? M - m : 4) {
         case 1: range<T, 1, 2>(ai, m, p, end); break;
         case 2: range<T, 2, 2>(ai, m, p, end); break;
