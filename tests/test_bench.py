@@ -188,3 +188,31 @@ def test_latency_typist_leaves_speculation_to_the_daemon_when_told():
         (params,) = [p for m, p in c.sent if m == "complete"]
         assert params.get("speculation") == want
         assert ("speculation" in params) == (want is not None)
+
+
+def test_an_exact_prediction_drafts_the_whole_output(tmp_path, capsys, model):
+    """``--prediction output``: the edit's prompt as with no prediction, its draft what
+    plain greedy decoding of that prompt writes. The n-gram method then drafts the output
+    whole (a few long forwards), and every method still equals off token for token."""
+    old = "def area(w, h):\n    return w * h\n"
+    item = {
+        "id": "e", "kind": "edit", "prefix": "import math\n\n\n" + old.splitlines()[0] + "\n",
+        "old": old, "new": "def area(w, h):\n    return abs(w * h)\n", "suffix": "\n",
+        "max_tokens": 40, "uri": "file:///pkg/geo.py",
+    }  # fmt: skip
+    wl = tmp_path / "edit.jsonl"
+    wl.write_text(json.dumps(item))
+
+    def rows(prediction: str) -> dict[str, dict]:
+        args = [str(wl), "--methods", "off,ngram@64", "--prediction", prediction, *model]
+        assert dispatch(args) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["prediction"] == prediction
+        return {r["method"]: r for r in result["rows"]}
+
+    exact, old_draft = rows("output"), rows("none")
+    for r in (exact, old_draft):
+        assert r["ngram@64"]["equal_to_off"] == 1
+        assert r["ngram@64"]["tokens"] == r["off"]["tokens"] > 8
+    assert exact["ngram@64"]["target_forwards"] <= 3  # the prefill's token, then the draft
+    assert exact["ngram@64"]["target_forwards"] < old_draft["ngram@64"]["target_forwards"]

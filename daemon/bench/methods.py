@@ -247,9 +247,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prediction",
-        choices=["none", "old", "new"],
+        choices=["none", "old", "new", "output"],
         default="none",
-        help="edit items: what the request carries as its draft text (see build_prompt)",
+        help="edit items: what the request carries as its draft text (see build_prompt); "
+        "output: the prompt of none, drafts from off's greedy output (an exact prediction)",
     )
     p.add_argument(
         "--temperature",
@@ -328,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         build_prompt(engine, item, args.max_tokens, args.prediction, args.context) for item in items
     ]
 
+    if args.prediction == "output":
+        prompts = [_exact_prediction(engine, item, p, args, n) for n, (item, p) in
+                   enumerate(zip(items, prompts, strict=True))]  # fmt: skip
+
     def one(method: str, n: int) -> Run:
         if method not in PEERS:
             index = indexes[which[n]]
@@ -361,6 +366,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exact_prediction(engine, item: dict[str, Any], prepared: tuple, args, n: int) -> tuple:
+    """An edit item's prepared prompt with its draft replaced by what plain greedy decoding
+    of that same prompt writes: a prediction that is exactly the output (the model here
+    rarely writes the workload's new version, so ``new`` drafts a text it does not
+    write). The prompt itself is unchanged (a prediction in the prompt would change the
+    output it predicts)."""
+    if "new" not in item:
+        return prepared
+    prompt, max_tokens, draft, heal = prepared
+    run = run_engine(engine, "off", prompt, max_tokens, None, item.get("uri"), draft,
+                     args.max_draft, 0.0, args.seed + n, heal)  # fmt: skip
+    return prompt, max_tokens, run.ids, heal
+
+
 def build_prompt(
     engine,
     item: dict[str, Any],
@@ -372,8 +391,10 @@ def build_prompt(
     the daemon lays out its prompts (:mod:`codespec.daemon.prompts.completion`).
 
     Edit items are ``edit`` requests on the old file with the old function as the range:
-    ``prediction`` ``none`` or ``old`` — the old region is the draft (the request carries
-    no prediction); ``new`` — the request's prediction is the new version (predicted
+    ``prediction`` ``none``, ``old`` or ``output`` — the old region is the draft (the
+    request carries no prediction; for ``output`` main() then swaps in the exact output
+    as the draft, see :func:`_exact_prediction`); ``new`` — the request's prediction is
+    the new version (predicted
     outputs / fast apply: the client already knows the new code). Completion-like items
     (a ``prefix``) are ``complete`` requests at the end of the prefix. The healed text is
     what the first generated tokens must spell out (a constraint, as in the daemon).
