@@ -294,16 +294,22 @@ def test_the_faster_proposer_wins(real_engine, one_thread):
     """A slow proposer is asked once (unmeasured), then costly: with a fast proposer's
     drafts taken every step it is never in charge, and the fast one's drafts, accepted
     whole, grow deep. On the real model: a tiny model's steps are measured within the
-    noise of a shared machine."""
+    noise of a shared machine. The costs are seeded as the daemon seeds them (unseeded,
+    one noisy early forward decided the depths: 12 to 30 forwards in runs here)."""
     engine = real_engine
     prompt = heldout_prompts(engine, 1, tokens=120, seed=5)[0]
     oracle = plain(engine, prompt, 120)
     good = ScriptedProposer(oracle, "correct", engine.runner.vocab_size)
     bad = Slow(oracle, "random", engine.runner.vocab_size, seed=1)
-    ctl = Controller(engine, {"lookahead": good, "eagle": bad}, PolicyStore())
+    store = PolicyStore()
+    store.costs.seed(engine.time_forwards())  # as the daemon does at start
+    ctl = Controller(engine, {"lookahead": good, "eagle": bad}, store)
     out, stats = run(engine, prompt, ctl, n=120)
     assert out == oracle
-    assert ctl.choices == {"lookahead": stats.decode_steps}  # the slow one never in charge
+    assert set(ctl.choices) == {"lookahead"}  # the slow one never in charge
+    # every step drafted but a last one with one token left (no room for a draft: the
+    # engine does not ask; it happens or not with where the accepted runs end)
+    assert ctl.choices["lookahead"] >= stats.decode_steps - 1
     assert stats.target_forwards < stats.tokens / 4
 
 

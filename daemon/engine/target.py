@@ -20,6 +20,8 @@ from codespec.daemon.engine import cpu_gemm
 from codespec.speculators.costs import SEED_SIZES
 from codespec.speculators.target import Kernels, TorchKernels
 
+SAMPLES = 3  # timed forwards per size in time_forwards (the fastest counts)
+
 
 class CpuGemmKernels:
     """:mod:`cpu_gemm`'s products for fp32 weights on an AVX2 CPU, as the lean runner uses
@@ -77,9 +79,11 @@ class ModelTarget:
         return TorchKernels()
 
     def time_forwards(self, sizes: tuple[int, ...] = SEED_SIZES) -> dict[int, float]:
-        """``{tokens: ms}``: one forward of each size on top of the runner's cache, each
-        cut off again (the cache is left as it was), after one untimed warm-up forward
-        of that size. Token id 0 everywhere: only the time matters."""
+        """``{tokens: ms}``: forwards of each size on top of the runner's cache, each cut
+        off again (the cache is left as it was): one untimed warm-up, then the fastest of
+        ``SAMPLES`` (noise on a shared machine only adds time; one sample priced a size
+        at a spike often enough to make the policy's first choices a coin toss). Token
+        id 0 everywhere: only the time matters."""
         runner = self.runner
         base = runner.length
         out: dict[int, float] = {}
@@ -87,10 +91,10 @@ class ModelTarget:
             if n > runner.max_length - base - 1:
                 break
             samples = []
-            for _ in range(2):
+            for _ in range(1 + SAMPLES):
                 t0 = time.perf_counter()
                 runner.forward([0] * n)
                 samples.append((time.perf_counter() - t0) * 1000)
                 runner.truncate(base)
-            out[n] = samples[-1]
+            out[n] = min(samples[1:])
         return out
