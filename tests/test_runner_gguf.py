@@ -254,7 +254,8 @@ def test_a_long_forward_that_waits_does_not_stop_the_decode_steps_spinning(
     forward whose waits outlasted the spin (a busy machine). A prefill's waits outlast it
     because its steps are long: that must not turn spinning off for the decode steps after
     it (it did, and each decode step then slept at its ~330 barriers: 3x slower on an idle
-    machine). Forwards of 1, up to 16, up to 64 and more tokens learn apart."""
+    machine). Forwards of 1, up to 16, up to 64 and more tokens learn apart, and a longer
+    forward spins longer (its threads' shares are longer, and so are their waits)."""
     lib = quant_gemm.library()
     if lib is None:
         pytest.skip("no quantized kernel")
@@ -272,8 +273,9 @@ def test_a_long_forward_that_waits_does_not_stop_the_decode_steps_spinning(
         assert lib.cs_lean_spin_ns(1000) == 0  # the next prefills sleep at once
         assert lib.cs_lean_spin_ns(65) == 0
         assert lib.cs_lean_spin_ns(1) == spin  # the decode steps still spin
-        assert lib.cs_lean_spin_ns(16) == spin  # and the verifications
-        assert lib.cs_lean_spin_ns(64) == spin
+        assert lib.cs_lean_spin_ns(16) == 4 * spin  # and the verifications, longer
+        assert lib.cs_lean_spin_ns(64) == 16 * spin
+        assert (lib.cs_lean_spin_ns(4), lib.cs_lean_spin_ns(8)) == (spin, 2 * spin)
         lib.cs_lean_spin_observe(16, spin, 330, 42)  # a verification, over one wait in 8
         assert lib.cs_lean_spin_ns(2) == 0
         assert lib.cs_lean_spin_ns(1) == spin
