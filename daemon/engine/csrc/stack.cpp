@@ -435,7 +435,7 @@ struct SpinPolicy {
   };
   static constexpr int SIZES = 4;
   State size[SIZES];
-  std::atomic<int64_t> forwards{0};
+  std::atomic<int64_t> forwards{0};  // one-region forwards run (cs_lean_team_forwards)
   int64_t spin_ns = -1;
 
   static int size_of(int64_t T) { return T <= 1 ? 0 : T <= 16 ? 1 : T <= 64 ? 2 : 3; }
@@ -456,7 +456,6 @@ struct SpinPolicy {
     return s.forwards.load() >= s.skip_until.load() ? spin_ns * scale : 0;
   }
   void after(int64_t T, int64_t spun_ns, int64_t waits, int64_t slept) {
-    forwards.fetch_add(1);
     State& s = size[size_of(T)];
     const int64_t n = s.forwards.fetch_add(1) + 1;
     if (spun_ns <= 0 || waits == 0) return;
@@ -848,6 +847,7 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
     else
 #endif
       rc = zs::forward_team(*m, *f, bar);
+    sp.forwards.fetch_add(1);
     sp.after(f->T, bar.spin_ns, bar.waits.load(), bar.slept.load());
     return rc;
   }
