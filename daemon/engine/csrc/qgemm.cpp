@@ -1469,8 +1469,9 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   const int64_t passes = (M + 3) / 4;
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
-    // The next group's bytes, fetched a slice before each pass that reads from cache.
-    const uint8_t* next = end < p1 && end % GROUP == 0 ? ai.a.P + end * ai.a.pstride : nullptr;
+    // The next group's bytes, fetched a slice before each pass that reads from cache (end
+    // < p1: end is a group's first panel, group_end cut nothing).
+    const uint8_t* next = end < p1 ? ai.a.P + end * ai.a.pstride : nullptr;
     const int64_t nbytes =
         next ? (ai.a.npanel - end < GROUP ? ai.a.npanel - end : GROUP) * ai.a.pstride : 0;
     for (int64_t m = 0; m < M; m += 4) {
