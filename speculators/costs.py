@@ -29,6 +29,12 @@ SEED_SIZES = (1, 2, 3, 4, 6, 8, 16, 32)
 # not chosen for a few hundred forwards counts for little against the sizes measured since.
 AGE = 0.995
 FRESH = 0.5  # the weight below which a size between two fresher ones is interpolated
+# A timing above this many times what a figure already standing on a forward's worth of
+# weight says counts as this many times it: a step that lost the CPU to another process
+# (a VM's steal, an editor's burst) is not what the next step will cost. A lasting rise
+# (a growing context, a busier machine) is still followed, by up to (CLIP - 1) * (1 - decay)
+# a step (~5%), or at once when the figure has faded.
+CLIP = 1.5
 
 
 def _bucket(n: int) -> int:
@@ -49,6 +55,7 @@ class ForwardCosts:
     """
 
     decay: float = 0.9
+    clip: float = CLIP  # 0: every timing as it is
     ms: list[float] = field(default_factory=lambda: [0.0] * len(SIZES))
     weight: list[float] = field(default_factory=lambda: [0.0] * len(SIZES))
     seeded: bool = False
@@ -62,21 +69,23 @@ class ForwardCosts:
         if n < 1 or ms <= 0:
             return
         self.weight = [w * AGE for w in self.weight]
-        self._record(n, ms)
+        self._record(n, ms, self.clip)
 
-    def _record(self, n: int, ms: float) -> None:
+    def _record(self, n: int, ms: float, clip: float = 0.0) -> None:
         if n >= SIZES[-1]:
-            self._update(len(SIZES) - 1, ms * SIZES[-1] / n, 1.0)
+            self._update(len(SIZES) - 1, ms * SIZES[-1] / n, 1.0, clip)
             return
         i = _bucket(n)
         if SIZES[i] != n and n - SIZES[i] > SIZES[i + 1] - n:
             i += 1
-        self._update(i, ms, 1.0)
+        self._update(i, ms, 1.0, clip)
 
-    def _update(self, i: int, ms: float, w: float) -> None:
+    def _update(self, i: int, ms: float, w: float, clip: float = 0.0) -> None:
         if w <= 0:
             return
         self._fit = None
+        if clip and self.weight[i] >= 1.0:
+            ms = min(ms, clip * self.ms[i])
         # the figure so far weighs what stands behind it, at most what a mean decayed by
         # ``decay`` keeps (so a size measured all along moves by 1 - decay a forward, and
         # one measured long ago takes the new forward nearly as it is)
@@ -164,6 +173,7 @@ class Line:
     """
 
     decay: float = 0.9
+    clip: float = CLIP  # as ForwardCosts' (0: every timing as it is)
     w: float = 0.0
     s_n: float = 0.0
     s_nn: float = 0.0
@@ -171,6 +181,8 @@ class Line:
     s_nt: float = 0.0
 
     def add(self, n: float, ms: float) -> None:
+        if self.clip and self.w >= 3.0:  # a line stands on a few points, not one
+            ms = min(ms, self.clip * max(self.at(n), 1e-3))
         k = self.decay
         self.w, self.s_n, self.s_nn = k * self.w + 1, k * self.s_n + n, k * self.s_nn + n * n
         self.s_t, self.s_nt = k * self.s_t + ms, k * self.s_nt + n * ms

@@ -12,7 +12,7 @@ from codespec.daemon.engine.engine import GenParams
 from codespec.speculators import policy
 from codespec.speculators.acceptance import PRIOR_FIRST, Acceptance, Count, best_cut, node_keys
 from codespec.speculators.book import Avg, Book, PolicyStore, forget, temperature_class
-from codespec.speculators.costs import SIZES, ForwardCosts, Line
+from codespec.speculators.costs import CLIP, SIZES, ForwardCosts, Line
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 from codespec.speculators.ngram import NgramProposer
 from codespec.speculators.policy import FIRST_PAUSE, TEMPERATURE_PRIOR, TRIAL_STEPS, Controller
@@ -135,6 +135,34 @@ def test_one_slow_forward_does_not_price_the_larger_sizes_for_good():
     # a size measured afresh after fading weighs the new forward above its faded figure
     c.add(8, true_ms(8))
     assert c.ms[SIZES.index(8)] - true_ms(8) < (50.0 - true_ms(8)) / 2
+
+
+def test_a_forward_that_lost_the_cpu_moves_its_figure_little_a_lasting_rise_is_followed():
+    """A timing far above a standing figure (the process was descheduled: a VM's steal, a
+    neighbour's burst) counts as CLIP times the figure, so one spike moves it ~5%, where
+    a plain decayed mean moved it by a tenth of the spike; a cost that truly doubled is
+    reached within a few dozen forwards; the seed and a fresh size take timings as they
+    are; the proposers' own-time lines the same."""
+    clipped, plain = ForwardCosts(), ForwardCosts(clip=0.0)
+    for c in (clipped, plain):
+        for _ in range(30):
+            c.add(1, 10.0)
+            c.add(8, 20.0)
+        c.add(8, 200.0)
+    assert clipped.at(8) == pytest.approx(20.0 * (1 + (CLIP - 1) * 0.1), rel=1e-6)
+    assert plain.at(8) == pytest.approx(38.0, rel=1e-6)
+    for _ in range(40):
+        clipped.add(8, 40.0)
+    assert clipped.at(8) == pytest.approx(40.0, rel=0.02)
+    fresh = ForwardCosts()
+    fresh.add(4, 100.0)  # nothing stands behind size 4 yet: taken as it is
+    fresh.seed({16: 500.0})
+    assert fresh.at(4) == 100.0 and fresh.at(16) == 500.0
+    line = Line()
+    for _ in range(10):
+        line.add(8, 0.1)
+    line.add(8, 30.0)  # an n-gram lookup that lost the CPU
+    assert line.at(8) < 0.2
 
 
 def test_the_cut_keeps_the_likeliest_nodes_while_they_pay():
