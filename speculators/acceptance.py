@@ -46,10 +46,14 @@ Key = tuple[str, int, int, bool]  # (source, match bucket, depth bucket, later s
 
 
 def match_bucket(n: int) -> int:
-    """The match behind a draft: 0 (none), 1 (up to 2 tokens), 2 (3-4), 3 (5-7), 4 (8+)."""
-    if n <= 0:
-        return 0
-    return 1 if n <= 2 else 2 if n <= 4 else 3 if n < 8 else 4
+    """The match behind a draft: 0 (none), 1 (one token), 2 (two), 3 (3-4), 4 (5-7), 5 (8+).
+
+    >>> [match_bucket(n) for n in (0, 1, 2, 3, 4, 5, 7, 8, 30)]
+    [0, 1, 2, 3, 3, 4, 4, 5, 5]
+    """
+    if n <= 2:
+        return max(0, n)
+    return 3 if n <= 4 else 4 if n < 8 else 5
 
 
 def depth_bucket(d: int) -> int:
@@ -65,7 +69,7 @@ def node_keys(draft: Draft) -> list[Key]:
     """The key of every node of ``draft``.
 
     >>> node_keys(Draft([5, 6, 7], [-1, 0, -1], sources=["a", "a", "b"], match=3))
-    [('a', 2, 1, False), ('a', 2, 2, False), ('b', 2, 1, True)]
+    [('a', 3, 1, False), ('a', 3, 2, False), ('b', 3, 1, True)]
     """
     assert draft.parents is not None
     levels = draft.levels

@@ -17,7 +17,7 @@ for the same tokens again), ``ngram:context``, ``ngram:index``.
 Their candidates enter the tree longest match first (on a tie in that order),
 so a caller that keeps only the first ``budget`` nodes keeps the best path.
 
-Shape: each path is at most ``min(budget, 2 * n)`` tokens for a match of length
+Shape: each path is at most ``min(budget, reach * n)`` tokens for a match of length
 ``n < max_n`` (a short match says little about what follows far after it) and
 ``budget`` for a full-length match; a source's later candidates get half of
 that. Each node keeps the match behind it (``Draft.matches``; a node two paths
@@ -86,7 +86,8 @@ def match_continuations(
 
 
 class SequenceMatcher:
-    """An append-only token sequence with a table from ``min_n``-gram to its end positions.
+    """An append-only token sequence with a table from ``min_n``-gram to its end positions
+    (and, for :meth:`match`'s ``single``, one from each token to its positions).
 
     ``extend`` indexes only the tokens added since the last call, so a request
     pays O(new tokens) per step, not O(context).
@@ -96,6 +97,7 @@ class SequenceMatcher:
         self.min_n = min_n
         self.seq: list[int] = []
         self.table: dict[tuple[int, ...], list[int]] = {}
+        self.singles: dict[int, list[int]] = {}
 
     def extend(self, tokens: Sequence[int]) -> None:
         g = self.min_n
@@ -105,6 +107,9 @@ class SequenceMatcher:
         table = self.table
         for p in range(max(start, g - 1), len(seq)):
             table.setdefault(tuple(seq[p - g + 1 : p + 1]), []).append(p)
+        singles = self.singles
+        for p in range(start, len(seq)):
+            singles.setdefault(seq[p], []).append(p)
 
     def sync(self, context: Sequence[int]) -> None:
         """Make ``seq`` equal ``context``, extending when it only grew (the usual case)."""
@@ -118,17 +123,30 @@ class SequenceMatcher:
         ):
             self.extend(context[n:])
             return
-        self.seq, self.table = [], {}
+        self.seq, self.table, self.singles = [], {}, {}
         self.extend(context)
 
-    def match(self, tail: Sequence[int], max_n: int, k: int, b: int) -> tuple[int, list[list[int]]]:
+    def match(
+        self, tail: Sequence[int], max_n: int, k: int, b: int, single: bool = False
+    ) -> tuple[int, list[list[int]]]:
+        """:func:`match_continuations` over the occurrences of ``tail``'s last ``min_n``
+        tokens; with ``single``, where none has them, over those of its last token alone
+        (a match of 1: after the text departed from what it copies, the first token it
+        shares again)."""
         g = self.min_n
         if len(tail) < g:
             return 0, []
-        ends = self.table.get(tuple(int(t) for t in tail[-g:]), [])
         last = len(self.seq) - 1
-        if ends and ends[-1] >= last:  # an occurrence needs a continuation
-            ends = [p for p in ends if p < last]
+
+        def occurrences(table: dict, key) -> list[int]:
+            ends = table.get(key, [])
+            if ends and ends[-1] >= last:  # an occurrence needs a continuation
+                ends = [p for p in ends if p < last]
+            return ends
+
+        ends = occurrences(self.table, tuple(int(t) for t in tail[-g:]))
+        if not ends and single and tail:
+            g, ends = 1, occurrences(self.singles, int(tail[-1]))
         return match_continuations(self.seq, ends, tail, g, max_n, k, b)
 
 
@@ -136,7 +154,11 @@ class NgramProposer:
     """Tree drafts from longest-suffix n-gram matches (context, prediction, index).
 
     ``min_n``/``max_n`` bound the match length, ``breadth`` the candidates per
-    source; ``use_context`` off leaves only the prediction and the index.
+    source; ``use_context`` off leaves only the prediction and the index; ``single``:
+    where no source matches ``min_n`` tokens, the request's own texts are matched on the
+    last token alone (the policy keys acceptance on the match, so it learns what such a
+    draft is worth); ``reach``: how many tokens past a match of ``n`` a path may run, per
+    matched token.
     """
 
     name = "ngram"
@@ -149,6 +171,8 @@ class NgramProposer:
         max_n: int = 8,
         breadth: int = 4,
         use_context: bool = True,
+        single: bool = True,
+        reach: int = 4,
     ) -> None:
         if index is not None and min_n < index.min_n:
             raise ValueError(f"min_n ({min_n}) below the index's key length ({index.min_n})")
@@ -157,6 +181,8 @@ class NgramProposer:
         self.max_n = max_n
         self.breadth = breadth
         self.use_context = use_context
+        self.single = single
+        self.reach = reach
         self._uri: str | None = None
         self._context = SequenceMatcher(min_n)
         self._prediction: SequenceMatcher | None = None
@@ -180,14 +206,13 @@ class NgramProposer:
         matcher.extend(ids)
         return matcher
 
-    @staticmethod
-    def _depth(n: int, rank: int, budget: int, max_n: int) -> int:
+    def _depth(self, n: int, rank: int, budget: int) -> int:
         # A match of max_n tokens may well be longer than we looked: no cap from n then.
-        depth = budget if n >= max_n else min(budget, 2 * n)
+        depth = budget if n >= self.max_n else min(budget, self.reach * n)
         return max(1, depth >> (1 if rank else 0))
 
     def _from_prediction(
-        self, context: Sequence[int], tail: Sequence[int], budget: int
+        self, context: Sequence[int], tail: Sequence[int], budget: int, single: bool
     ) -> tuple[int, list[list[int]]]:
         pred = self._prediction
         if pred is None:
@@ -198,26 +223,32 @@ class NgramProposer:
             # as a full-length match.
             start = len(generated)
             return self.max_n, [pred.seq[start : start + budget]]
-        return pred.match(tail, self.max_n, budget, self.breadth)
+        return pred.match(tail, self.max_n, budget, self.breadth, single)
+
+    def _found(
+        self, context: Sequence[int], tail: Sequence[int], budget: int, single: bool
+    ) -> list[tuple[int, str, list[list[int]]]]:
+        """Each source's (match, source, continuations); with ``single``, the request's
+        own texts matched on the last token alone (the index keys on ``min_n`` tokens)."""
+        k, b = budget, self.breadth
+        found = [(*self._from_prediction(context, tail, k, single), "ngram:prediction")]
+        if self._recent is not None:
+            found.append((*self._recent.match(tail, self.max_n, k, b, single), "ngram:recent"))
+        if self.use_context:
+            self._context.sync(context)
+            found.append((*self._context.match(tail, self.max_n, k, b, single), "ngram:context"))
+        if self.index is not None and len(tail) >= self.min_n and not single:
+            cands = self.index.lookup(tail, uri=self._uri, k=k, b=b, min_n=self.min_n)
+            found += [(c.n, [list(c.tokens)], "ngram:index") for c in cands]
+        return [(n, source, conts) for n, conts, source in found]
 
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
         if budget <= 0 or not context:
             return None
         tail = context[-self.max_n :]
-        n, conts = self._from_prediction(context, tail, budget)
-        found = [(n, "ngram:prediction", conts)]  # (match, source, continuations)
-        if self._recent is not None:
-            n, conts = self._recent.match(tail, self.max_n, budget, self.breadth)
-            found.append((n, "ngram:recent", conts))
-        if self.use_context:
-            self._context.sync(context)
-            n, conts = self._context.match(tail, self.max_n, budget, self.breadth)
-            found.append((n, "ngram:context", conts))
-        if self.index is not None and len(tail) >= self.min_n:
-            cands = self.index.lookup(
-                tail, uri=self._uri, k=budget, b=self.breadth, min_n=self.min_n
-            )
-            found += [(c.n, "ngram:index", [list(c.tokens)]) for c in cands]
+        found = self._found(context, tail, budget, False)
+        if self.single and not any(conts for _, _, conts in found):
+            found = self._found(context, tail, budget, True)
         # every source's candidates, the longest match first (a stable sort: on a tie the
         # order above); a later sibling of the same source gets half the depth
         paths: list[tuple[list[int], str]] = []
@@ -227,7 +258,7 @@ class NgramProposer:
             for cont in conts:
                 rank = ranks.get(source, 0)
                 ranks[source] = rank + 1
-                path = list(cont[: self._depth(n, rank, budget, self.max_n)])
+                path = list(cont[: self._depth(n, rank, budget)])
                 if path:
                     paths.append((path, source))
                     matches.append(n)

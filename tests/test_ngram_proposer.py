@@ -65,8 +65,11 @@ def test_context_candidates_become_one_tree_within_budget() -> None:
     prop.begin(RequestInfo(prompt_ids=context))
     draft = prop.propose(context, budget=8)
     assert draft is not None and not draft.is_chain
-    # a 2-token match: paths at most 2 * 2 deep, latest first; the sibling gets half
-    assert paths_of(draft) == [[Y, Y, Y, 98], [X, X]]
+    # a 2-token match: paths at most reach * 2 deep, latest first; the sibling gets half
+    assert paths_of(draft) == [[Y, Y, Y, 98, A, B], [X, X, X, 99]]
+    short = NgramProposer(reach=2)
+    short.begin(RequestInfo(prompt_ids=context))
+    assert paths_of(short.propose(context, budget=8)) == [[Y, Y, Y, 98], [X, X]]
     assert set(draft.sources or []) == {"ngram:context"}
     small = prop.propose(context, budget=3)
     assert small is not None and len(small) <= SPREAD * 3
@@ -89,6 +92,27 @@ def test_the_longest_match_leads_whatever_its_source() -> None:
     assert draft.truncated(8).tokens == [70, 71, 72, 73, 74, 9, 1, 2]
 
 
+def test_after_a_departure_the_last_token_alone_finds_the_old_text_again() -> None:
+    """An edit that replaced a token of its old text: no 2 tokens match anywhere, so the
+    last token's latest occurrence is the match (of 1: the policy keys its acceptance
+    apart); with ``single`` off the step is plain; a token found nowhere else gives None."""
+    old = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    prompt = [1, 2, 3]
+    context = [*prompt, 40, 41, 42, 99, 44]  # 43 became 99; 44 follows again
+    prop = NgramProposer()
+    prop.begin(RequestInfo(prompt_ids=prompt, kind="edit", draft_text_ids=old))
+    d = prop.propose(context, budget=8)
+    assert d is not None and d.tokens == [45, 46, 47, 48] and d.match == 1
+    assert set(d.sources or []) == {"ngram:prediction"}
+    plain = NgramProposer(single=False)
+    plain.begin(RequestInfo(prompt_ids=prompt, kind="edit", draft_text_ids=old))
+    assert plain.propose(context, budget=8) is None
+    assert prop.propose([*context, 98], budget=8) is None  # 98 is in no text
+    # once 2 tokens match, the usual match takes over (44 45 46: 3 tokens)
+    d = prop.propose([*context, 45, 46], budget=8)
+    assert d is not None and d.tokens == [47, 48, 49] and d.match == 3
+
+
 def test_nothing_matches_gives_none() -> None:
     """No earlier occurrence of the suffix: a plain decode step (None), also for budget 0."""
     prop = NgramProposer(index=None)
@@ -99,8 +123,9 @@ def test_nothing_matches_gives_none() -> None:
 
 
 def test_draft_depth_follows_the_budget_and_the_match_length() -> None:
-    """A full-length match drafts as deep as the budget allows; a short one at most twice
-    its length, whatever the budget; ``match`` says how long the match was."""
+    """A full-length match drafts as deep as the budget allows; a short one at most
+    ``reach`` (4) times its length, whatever the budget; ``match`` says how long the match
+    was."""
     cycle = list(range(20, 60))
     context = cycle + cycle[:30]  # the suffix matches at 29 with n = max_n: 40 tokens follow
     prop = NgramProposer(max_n=8)
@@ -112,7 +137,7 @@ def test_draft_depth_follows_the_budget_and_the_match_length() -> None:
     short = [5, 6, 7, 8, 9, 1, 2, 30, 31, 32, 33, 34, 35, 36, 1, 2]
     prop.begin(RequestInfo(prompt_ids=short))
     d = prop.propose(short, budget=64)
-    assert d is not None and d.tokens == [30, 31, 32, 33] and d.match == 2
+    assert d is not None and d.tokens == [30, 31, 32, 33, 34, 35, 36, 1] and d.match == 2
 
 
 def test_context_is_indexed_incrementally() -> None:

@@ -183,7 +183,7 @@ def test_acceptance_counts_reached_nodes_and_drifts_back_to_the_prior():
     unused figures decay towards the prior."""
     d = Draft([5, 6, 7, 8], [-1, 0, 1, -1], sources=["s"] * 4, match=9)
     keys = node_keys(d)
-    assert keys[0] == ("s", 4, 1, False) and keys[3] == ("s", 4, 1, True)
+    assert keys[0] == ("s", 5, 1, False) and keys[3] == ("s", 5, 1, True)
     acc = Acceptance()
     acc.learn(d, [0], now=1)  # node 0 accepted, node 1 rejected: node 2 never reached
     assert acc.counts[keys[0]].hit == 1 and acc.counts[keys[1]].hit == 0
