@@ -315,6 +315,29 @@ def test_i8_variant_is_exact_but_for_rounding_x(qtype: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+def test_i8_prefetch_ahead_changes_no_number(qtype: str) -> None:
+    """The 1-4 row products' software prefetch (any distance, also past the matrix's last
+    group, and off) is a memory hint: the same products bit for bit."""
+    n, k = 16 * 9 + 5, k_for(qtype)  # 10 panels: two full groups of four and a partial one
+    raw = random_gguf(qtype, n, k, seed=31)
+    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(3))  # (4, K)
+    lib = quant_gemm.library()
+    before = lib.cs_q_prefetch_ahead(4)
+    try:
+        want = {m: quant_gemm.linear_i8(x[:m], qm, threads=1) for m in (1, 2, 3, 4)}
+        for ahead in (0, 1, 3, 64):
+            lib.cs_q_prefetch_ahead(ahead)
+            for m in (1, 2, 3, 4):
+                for threads in (1, 2):
+                    y = quant_gemm.linear_i8(x[:m], qm, threads=threads)
+                    assert torch.equal(y, want[m]), f"{qtype} ahead={ahead} M={m}"
+    finally:
+        lib.cs_q_prefetch_ahead(before)
+
+
+@needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 def test_i8_rows_equal_one_row_products_bit_for_bit(qtype: str) -> None:
     n, k = 67, k_for(qtype)
