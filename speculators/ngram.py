@@ -130,23 +130,18 @@ class SequenceMatcher:
         self, tail: Sequence[int], max_n: int, k: int, b: int, single: bool = False
     ) -> tuple[int, list[list[int]]]:
         """:func:`match_continuations` over the occurrences of ``tail``'s last ``min_n``
-        tokens; with ``single``, where none has them, over those of its last token alone
-        (a match of 1: after the text departed from what it copies, the first token it
-        shares again)."""
-        g = self.min_n
-        if len(tail) < g:
+        tokens; with ``single``, over those of its last token alone (a match of 1, for a
+        caller that found no ``min_n`` tokens anywhere: after the text departed from what
+        it copies, the first token it shares again)."""
+        if len(tail) < self.min_n:
             return 0, []
+        if single:
+            g, ends = 1, self.singles.get(int(tail[-1]), [])
+        else:
+            g, ends = self.min_n, self.table.get(tuple(int(t) for t in tail[-self.min_n :]), [])
         last = len(self.seq) - 1
-
-        def occurrences(table: dict, key) -> list[int]:
-            ends = table.get(key, [])
-            if ends and ends[-1] >= last:  # an occurrence needs a continuation
-                ends = [p for p in ends if p < last]
-            return ends
-
-        ends = occurrences(self.table, tuple(int(t) for t in tail[-g:]))
-        if not ends and single and tail:
-            g, ends = 1, occurrences(self.singles, int(tail[-1]))
+        if ends and ends[-1] >= last:  # an occurrence needs a continuation
+            ends = [p for p in ends if p < last]
         return match_continuations(self.seq, ends, tail, g, max_n, k, b)
 
 
@@ -228,8 +223,9 @@ class NgramProposer:
     def _found(
         self, context: Sequence[int], tail: Sequence[int], budget: int, single: bool
     ) -> list[tuple[int, str, list[list[int]]]]:
-        """Each source's (match, source, continuations); with ``single``, the request's
-        own texts matched on the last token alone (the index keys on ``min_n`` tokens)."""
+        """Each source's (match, source, continuations); with ``single`` (no source matched
+        ``min_n`` tokens), the request's own texts matched on the last token alone (the
+        index keys on ``min_n`` tokens)."""
         k, b = budget, self.breadth
         found = [(*self._from_prediction(context, tail, k, single), "ngram:prediction")]
         if self._recent is not None:
