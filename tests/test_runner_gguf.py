@@ -195,6 +195,41 @@ def test_threads_change_nothing(model_file: Path) -> None:
         assert torch.equal(a, b)
 
 
+def test_attention_prefetch_changes_no_number(model_file: Path) -> None:
+    """Attention's software prefetch of a chunk's keys and values (off, 1 line ahead, the
+    default, past the chunk's end) is a memory hint: prefill over several chunks (the last
+    one partial), decode steps, chains and trees give the same logits bit for bit."""
+    lib = quant_gemm.library()
+    assert lib is not None
+
+    def run(runner: LeanRunner) -> list[torch.Tensor]:
+        v = runner.vocab_size
+        out = [runner.forward(_ids(300, 15, v)).logits, runner.forward([3]).logits]
+        out.append(runner.forward(_ids(9, 16, v)).logits)
+        out.append(runner.forward(_ids(5, 9, v), [-1, 0, 0, 1, -1]).logits)
+        runner.keep([0, 1, 3])
+        out.append(runner.forward(_ids(2, 10, v)).logits)
+        return out
+
+    before = lib.cs_lean_att_ahead(0)
+    try:
+        runner = LeanRunner.from_gguf(model_file, max_length=352)
+        ref = run(runner)
+        for ahead in (1, before, 10_000):
+            lib.cs_lean_att_ahead(ahead)
+            for threads in (1, 2):
+                runner.reset()
+                torch.set_num_threads(threads)
+                try:
+                    got = run(runner)
+                finally:
+                    torch.set_num_threads(1)
+                for a, b in zip(got, ref, strict=True):
+                    assert torch.equal(a, b), f"ahead={ahead} threads={threads}"
+    finally:
+        lib.cs_lean_att_ahead(before)
+
+
 def test_int8_products_keep_rows_equal(tmp_path: Path) -> None:
     """int8=True (x rounded to int8 for the block products, llama.cpp's way): its verify
     rows still equal its decode rows bit for bit, and its logits stay near the exact ones."""

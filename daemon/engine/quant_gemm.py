@@ -81,6 +81,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("cs_q_rows", None, [i32, ptr, i64, i64, ptr, i64, ptr, i64]),
         ("cs_lean_version", i32, []),
         ("cs_lean_team_forwards", i64, []),
+        ("cs_lean_att_ahead", i64, [i64]),
         ("cs_lean_spin_ns", i64, [i64]),
         ("cs_lean_spin_observe", None, [i64, i64, i64, i64]),
         ("cs_lean_spin_reset", None, []),

@@ -104,11 +104,12 @@ void rope_store(const Model& m, const Fwd& f, const float* qkv, float* qs, uint1
 // (an FMA's latency is ~4 cycles: fewer chains leave the units idle).
 template <int R, int TT>
 inline void score_tiles(const float* const* q, int64_t D, const uint16_t* const* kt, float* s,
-                        int64_t ld) {
+                        int64_t ld, Ahead& pf) {
   V acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < TT; ++i) acc[r][i] = vzero();
   for (int64_t d = 0; d < D; ++d) {
+    if (d & 1) pf.step(TT);  // TT tiles' two rows of 16 fp16: TT lines
     V kv[TT];
     for (int i = 0; i < TT; ++i) kv[i] = vldh(kt[i] + 16 * d);
     for (int r = 0; r < R; ++r) {
@@ -123,11 +124,12 @@ inline void score_tiles(const float* const* q, int64_t D, const uint16_t* const*
 // o[r][dc .. dc + 16 NC] = sum_j p[r][j] v_j over keys j < nk, in order: R * NC chains.
 template <int R, int NC>
 inline void weigh_keys(const float* p, int64_t ld, int64_t nk, const uint16_t* const* vrow,
-                       int64_t dc, float* const* part) {
+                       int64_t dc, float* const* part, Ahead& pf) {
   V o[R][NC];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NC; ++c) o[r][c] = vzero();
   for (int64_t j = 0; j < nk; ++j) {
+    if (j & 1) pf.step(NC);  // two keys' NC x 16 fp16: NC lines
     V v[NC];
     for (int c = 0; c < NC; ++c) v[c] = vldh(vrow[j] + dc + 16 * c);
     for (int r = 0; r < R; ++r) {
@@ -145,13 +147,14 @@ inline void weigh_keys(const float* p, int64_t ld, int64_t nk, const uint16_t* c
 // 0 * v to a sum changes nothing), so each row's numbers depend on its keys only.
 template <int R>
 void chunk_rows(const float* const* q, const int64_t* nvalid, int64_t nk, int64_t D, int64_t Dp,
-                const uint16_t* const* ktile, const uint16_t* const* vrow, float* const* part) {
+                const uint16_t* const* ktile, const uint16_t* const* vrow, float* const* part,
+                Ahead& pf) {
   alignas(64) float s[R * CHUNK];
   const int64_t ntile = (nk + 15) / 16;
   constexpr int TT = score_tiles_for(R);
   int64_t i = 0;
-  for (; i + TT <= ntile; i += TT) score_tiles<R, TT>(q, D, ktile + i, s + 16 * i, CHUNK);
-  for (; i < ntile; ++i) score_tiles<R, 1>(q, D, ktile + i, s + 16 * i, CHUNK);
+  for (; i + TT <= ntile; i += TT) score_tiles<R, TT>(q, D, ktile + i, s + 16 * i, CHUNK, pf);
+  for (; i < ntile; ++i) score_tiles<R, 1>(q, D, ktile + i, s + 16 * i, CHUNK, pf);
   for (int r = 0; r < R; ++r) {
     float* sr = s + r * CHUNK;
     V mx = vset(-INFINITY);
@@ -171,25 +174,26 @@ void chunk_rows(const float* const* q, const int64_t* nvalid, int64_t nk, int64_
   for (int64_t dc = 0; dc < Dp;) {
     const int64_t left = (Dp - dc) / 16;
     if (left >= NC) {
-      weigh_keys<R, NC>(s, CHUNK, nk, vrow, dc, part);
+      weigh_keys<R, NC>(s, CHUNK, nk, vrow, dc, part, pf);
       dc += 16 * NC;
     } else {
-      weigh_keys<R, 1>(s, CHUNK, nk, vrow, dc, part);
+      weigh_keys<R, 1>(s, CHUNK, nk, vrow, dc, part, pf);
       dc += 16;
     }
   }
 }
 
 void chunk_any(int R, const float* const* q, const int64_t* nvalid, int64_t nk, int64_t D,
-               int64_t Dp, const uint16_t* const* kt, const uint16_t* const* vr, float* const* p) {
+               int64_t Dp, const uint16_t* const* kt, const uint16_t* const* vr, float* const* p,
+               Ahead& pf) {
   static_assert(ATT_ROWS >= 1 && ATT_ROWS <= 6, "chunk_any covers 1 to 6 rows");
   switch (R) {
-    case 1: chunk_rows<1>(q, nvalid, nk, D, Dp, kt, vr, p); break;
-    case 2: chunk_rows<ATT_ROWS < 2 ? ATT_ROWS : 2>(q, nvalid, nk, D, Dp, kt, vr, p); break;
-    case 3: chunk_rows<ATT_ROWS < 3 ? ATT_ROWS : 3>(q, nvalid, nk, D, Dp, kt, vr, p); break;
-    case 4: chunk_rows<ATT_ROWS < 4 ? ATT_ROWS : 4>(q, nvalid, nk, D, Dp, kt, vr, p); break;
-    case 5: chunk_rows<ATT_ROWS < 5 ? ATT_ROWS : 5>(q, nvalid, nk, D, Dp, kt, vr, p); break;
-    default: chunk_rows<ATT_ROWS>(q, nvalid, nk, D, Dp, kt, vr, p); break;
+    case 1: chunk_rows<1>(q, nvalid, nk, D, Dp, kt, vr, p, pf); break;
+    case 2: chunk_rows<ATT_ROWS < 2 ? ATT_ROWS : 2>(q, nvalid, nk, D, Dp, kt, vr, p, pf); break;
+    case 3: chunk_rows<ATT_ROWS < 3 ? ATT_ROWS : 3>(q, nvalid, nk, D, Dp, kt, vr, p, pf); break;
+    case 4: chunk_rows<ATT_ROWS < 4 ? ATT_ROWS : 4>(q, nvalid, nk, D, Dp, kt, vr, p, pf); break;
+    case 5: chunk_rows<ATT_ROWS < 5 ? ATT_ROWS : 5>(q, nvalid, nk, D, Dp, kt, vr, p, pf); break;
+    default: chunk_rows<ATT_ROWS>(q, nvalid, nk, D, Dp, kt, vr, p, pf); break;
   }
 }
 
@@ -242,6 +246,29 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
   int64_t nv[ATT_ROWS];
   int R = 0;
   int64_t nk = 0;
+  // The first pass over the chunk prefetches it (contiguous K tiles, then V rows), the
+  // later ones read it from cache.
+  Ahead pf;
+  const int64_t ahead = g_att_ahead.load(std::memory_order_relaxed);
+  if (ahead > 0 && !tk.gathered) {
+    int64_t nkeys = 0;
+    for (int64_t t = tk.t0; t < tk.t1; ++t) {
+      const int64_t n = A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
+      if (eligible(A, t, tk) && n > nkeys) nkeys = n;
+    }
+    const char* k0 = reinterpret_cast<const char*>(ktile[0]);
+    const char* k1 = k0 + ((nkeys + 15) / 16) * A.D * 16 * 2;
+    const char* v0 = reinterpret_cast<const char*>(vrow[0]);
+    const char* v1 = v0 + nkeys * A.Dp * 2;
+    const int64_t kb = k1 - k0;
+    if (ahead * 64 < kb) {
+      pf = {k0 + ahead * 64, k1, v0, v1};
+    } else {
+      pf = {v0 + (ahead * 64 - kb), v1, nullptr, nullptr};
+    }
+    for (const char* c = k0; c < k0 + ahead * 64 && c < k1; c += 64) __builtin_prefetch(c, 0, 3);
+  }
+  Ahead none;
   for (int64_t t = tk.t0; t < tk.t1; ++t) {
     if (!eligible(A, t, tk)) continue;
     const int64_t n = A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
@@ -252,13 +279,14 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
       nv[R] = n;
       nk = n > nk ? n : nk;
       if (++R == ATT_ROWS) {
-        chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p);
+        chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p, pf);
+        pf = none;
         R = 0;
         nk = 0;
       }
     }
   }
-  if (R) chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p);
+  if (R) chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p, pf);
 }
 
 // Attention row `row` = (h, t, g) (KV head, token, query head of the group): its chunks
