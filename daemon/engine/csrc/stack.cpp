@@ -73,9 +73,10 @@ constexpr int64_t TOKENS = 8;     // tokens per shared attention task
 // (0: none; CODESPEC_ATT_AHEAD or cs_lean_att_ahead, for comparisons). Measured on a
 // Sapphire Rapids VM, 2 threads, one process alternating, 256 / 1,300 / 4,000 cached
 // tokens: a decode step 7.76 / 11.81 / 17.65 ms with none, 7.42 / 10.75 / 14.89 at 64
-// (8: 16.1 at 4,000, 32: 15.1, 128: 15.4, 256: 16.1); 8 tokens 16.51 / 27.31 / 48.71
-// against 16.77 / 26.19 / 44.36, 16 tokens 25.20 / 45.03 / 83.74 against 24.78 / 43.98 /
-// 78.87. The hardware prefetcher alone left a 4,000-token cache read at ~9 GB/s.
+// (128: 15.36 at 4,000, 256: 16.11); 8 tokens 16.51 / 27.31 / 48.71 against 16.77 /
+// 26.19 / 44.36, 16 tokens 25.20 / 45.03 / 83.74 against 24.78 / 43.98 / 78.87. Another
+// run, decode at 4,000: none 16.88, 8 lines 16.12, 32 15.07, 64 14.74. prefetcht1 instead
+// was no faster. The hardware prefetcher alone left a 4,000-token cache read at ~9 GB/s.
 std::atomic<int64_t> g_att_ahead{[] {
   const char* e = std::getenv("CODESPEC_ATT_AHEAD");
   return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{64};
