@@ -246,32 +246,26 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
   int64_t nv[ATT_ROWS];
   int R = 0;
   int64_t nk = 0;
+  // The keys of the chunk an eligible token t sees.
+  auto keys_of = [&](int64_t t) -> int64_t {
+    return A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
+  };
   // The first pass over the chunk prefetches it (contiguous K tiles, then V rows), the
   // later ones read it from cache.
   Ahead pf;
   const int64_t ahead = g_att_ahead.load(std::memory_order_relaxed);
   if (ahead > 0 && !tk.gathered) {
     int64_t nkeys = 0;
-    for (int64_t t = tk.t0; t < tk.t1; ++t) {
-      const int64_t n = A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
-      if (eligible(A, t, tk) && n > nkeys) nkeys = n;
-    }
+    for (int64_t t = tk.t0; t < tk.t1; ++t)
+      if (eligible(A, t, tk) && keys_of(t) > nkeys) nkeys = keys_of(t);
     const char* k0 = reinterpret_cast<const char*>(ktile[0]);
-    const char* k1 = k0 + ((nkeys + 15) / 16) * A.D * 16 * 2;
     const char* v0 = reinterpret_cast<const char*>(vrow[0]);
-    const char* v1 = v0 + nkeys * A.Dp * 2;
-    const int64_t kb = k1 - k0;
-    if (ahead * 64 < kb) {
-      pf = {k0 + ahead * 64, k1, v0, v1};
-    } else {
-      pf = {v0 + (ahead * 64 - kb), v1, nullptr, nullptr};
-    }
-    for (const char* c = k0; c < k0 + ahead * 64 && c < k1; c += 64) __builtin_prefetch(c, 0, 3);
+    pf = {k0, k0 + ((nkeys + 15) / 16) * A.D * 16 * 2, v0, v0 + nkeys * A.Dp * 2};
+    pf.step(static_cast<int>(ahead));  // the first `ahead` lines at once, then in step
   }
-  Ahead none;
   for (int64_t t = tk.t0; t < tk.t1; ++t) {
     if (!eligible(A, t, tk)) continue;
-    const int64_t n = A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
+    const int64_t n = keys_of(t);
     for (int64_t g = 0; g < A.G; ++g) {
       const int64_t row = (h * A.T + t) * A.G + g;
       q[R] = A.qs + (t * A.NH + h * A.G + g) * A.D;
@@ -280,7 +274,7 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
       nk = n > nk ? n : nk;
       if (++R == ATT_ROWS) {
         chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p, pf);
-        pf = none;
+        pf = Ahead{};
         R = 0;
         nk = 0;
       }
