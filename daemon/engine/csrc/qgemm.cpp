@@ -1407,9 +1407,49 @@ inline int32_t rd32(const int8_t* p) {
   return v;
 }
 
+// acc += the dot products of u's unsigned and s's signed bytes, four per lane: vpdpbusd
+// written so that the sum stays in its register. With the intrinsic GCC 12 copied every
+// sum to another register and back around each instruction (16 moves a group of four k
+// in the 4-row x 2-panel pass below, twice the vpdpbusd).
+inline I dpbusd(I acc, I u, I s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+
+// The 4-bit types whose group is one vpandd: a group's 32 bytes hold columns 0-7 in their
+// low nibbles and 8-15 in their high ones (lanes 8-15 of the broadcast); masking with 0xf0
+// instead of shifting down leaves those quants 16 times too large, so their integer sums
+// are 16 times too large (exactly: |sum| < 2^24) and their scales are taken 16 times
+// smaller (exact: a power of two). (s / 16) * dx rounds to (s * dx) / 16 and the fma sees
+// the same real product, so the outputs are those of the shifted quants bit for bit (short
+// of a subnormal s * dx). The shift ran on the port the dot products need (SPR: vpsrlvw and
+// vpdpbusd zmm on port 0).
+template <int T>
+constexpr bool high_x16 = T == T_Q4_0 || T == T_Q4_1 || T == T_Q4_K;
+
+template <int T>
+inline I group_i8(const uint8_t* g) {
+  if constexpr (high_x16<T>) {
+    const I z = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
+    return _mm512_and_si512(z, _mm512_inserti64x4(_mm512_set1_epi8(15), _mm256_set1_epi8(-16), 1));
+  } else if constexpr (T == T_Q8_0) {
+    return _mm512_xor_si512(z512::group<T>(g), _mm512_set1_epi8(-128));
+  } else {
+    return z512::group<T>(g);
+  }
+}
+
+// Lines of the next group that a pass reading the current group from cache fetches as it
+// goes: `step` cache lines per sub-block, from p up to end.
+struct Trickle {
+  const uint8_t* p;
+  const uint8_t* end;
+  int64_t step;
+};
+
 // MR rows (from m) x NP panels (from p, one group), integer dot products with vpdpbusd.
 template <int T, int MR, int NP>
-void direct(const ArgsI8& ai, int64_t m, int64_t p) {
+void direct(const ArgsI8& ai, int64_t m, int64_t p, Trickle* tr = nullptr) {
   using F = Tr<T>;
   const Args& a = ai.a;
   const Xq& xq = *ai.xq;
@@ -1429,25 +1469,32 @@ void direct(const ArgsI8& ai, int64_t m, int64_t p) {
     }
     for (int j = 0; j < F::BK / F::SUB; ++j) {
       const int64_t k0 = b * F::BK + j * F::SUB;
+      if (tr)
+        for (int64_t i = 0; i < tr->step && tr->p < tr->end; ++i, tr->p += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(tr->p), _MM_HINT_T0);
       V sc[NP], off[NP];
-      for (int q = 0; q < NP; ++q) z512::scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
+      for (int q = 0; q < NP; ++q) {
+        z512::scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
+        if constexpr (high_x16<T>)
+          sc[q] = _mm512_mul_ps(sc[q], _mm512_insertf32x8(_mm512_set1_ps(1.0f),
+                                                          _mm256_set1_ps(0.0625f), 1));
+      }
       I dot[MR][NP];
       for (int r = 0; r < MR; ++r) {
         const int32_t* s = xq.s16.data() + (m + r) * k16 + k0 / 16;
         const int32_t sum = F::SUB == 32 ? s[0] + s[1] : s[0];
-        const I init = _mm512_set1_epi32(-i8_bias(T) * sum);
+        I init = _mm512_set1_epi32(-i8_bias(T) * sum);
+        if constexpr (high_x16<T> && i8_bias(T) != 0)
+          init = _mm512_mask_mov_epi32(init, 0xff00, _mm512_set1_epi32(-16 * i8_bias(T) * sum));
         for (int q = 0; q < NP; ++q) dot[r][q] = init;
       }
       for (int g = 0; g < F::SUB / 4; ++g) {
         const int gi = j * (F::SUB / 4) + g;
         I z[NP];
-        for (int q = 0; q < NP; ++q) {
-          z[q] = z512::group<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
-          if constexpr (T == T_Q8_0) z[q] = _mm512_xor_si512(z[q], _mm512_set1_epi8(-128));
-        }
+        for (int q = 0; q < NP; ++q) z[q] = group_i8<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
         for (int r = 0; r < MR; ++r) {
           const I xv = _mm512_set1_epi32(rd32(xq.q.data() + (m + r) * a.K + k0 + 4 * g));
-          for (int q = 0; q < NP; ++q) dot[r][q] = _mm512_dpbusd_epi32(dot[r][q], z[q], xv);
+          for (int q = 0; q < NP; ++q) dot[r][q] = dpbusd(dot[r][q], z[q], xv);
         }
       }
       for (int r = 0; r < MR; ++r) {
@@ -1469,11 +1516,11 @@ void direct(const ArgsI8& ai, int64_t m, int64_t p) {
 }
 
 template <int T, int MR, int NP>
-void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1) {
+void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1, Trickle* tr = nullptr) {
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
-    for (; p + NP <= end; p += NP) direct<T, MR, NP>(ai, m, p);
-    for (; p < end; ++p) direct<T, MR, 1>(ai, m, p);
+    for (; p + NP <= end; p += NP) direct<T, MR, NP>(ai, m, p, tr);
+    for (; p < end; ++p) direct<T, MR, 1>(ai, m, p, tr);
   }
 }
 
@@ -1499,17 +1546,22 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
     const int64_t nbytes =
         next ? (ai.a.npanel - end < GROUP ? ai.a.npanel - end : GROUP) * ai.a.pstride : 0;
     for (int64_t m = 0; m < M; m += 4) {
+      // each later pass takes its slice of the next group a few lines per sub-block: issued
+      // all at once before the pass, the fetches waited on a full set of line-fill buffers
+      // (the prefetch instructions held ~7% of a 16-token forward's samples, SPR)
+      Trickle tr{nullptr, nullptr, 0};
       if (m > 0 && next && prefetch_on()) {
         const int64_t s0 = nbytes * (m / 4 - 1) / (passes - 1);
         const int64_t s1 = nbytes * (m / 4) / (passes - 1);
-        for (int64_t o = s0 & ~int64_t{63}; o < s1; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+        const int64_t subs = (end - p + 1) / 2 * (ai.a.K / Tr<T>::SUB);  // this pass's
+        const int64_t lines = (s1 - (s0 & ~int64_t{63}) + 63) / 64;
+        tr = {next + (s0 & ~int64_t{63}), next + s1, (lines + subs - 1) / subs};
       }
       switch (M - m < 4 ? M - m : 4) {
-        case 1: range<T, 1, 2>(ai, m, p, end); break;
-        case 2: range<T, 2, 2>(ai, m, p, end); break;
-        case 3: range<T, 3, 2>(ai, m, p, end); break;
-        default: range<T, 4, 2>(ai, m, p, end); break;
+        case 1: range<T, 1, 2>(ai, m, p, end, &tr); break;
+        case 2: range<T, 2, 2>(ai, m, p, end, &tr); break;
+        case 3: range<T, 3, 2>(ai, m, p, end, &tr); break;
+        default: range<T, 4, 2>(ai, m, p, end, &tr); break;
       }
     }
     p = end;
