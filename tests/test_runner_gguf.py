@@ -230,6 +230,47 @@ def test_attention_prefetch_changes_no_number(model_file: Path) -> None:
         lib.cs_lean_att_ahead(before)
 
 
+def test_thread_shares_change_no_number(model_file: Path) -> None:
+    """With two threads the one-region forward gives thread 0 a fraction of each product's
+    panels (moved after each forward toward the one that balances the threads' time in the
+    products): any fraction gives the same logits bit for bit as halves and as one
+    thread; adapting moves it within 0.25-0.75 and only for two threads."""
+    if not quant_gemm.i8_available():
+        pytest.skip("no int8 product path on this CPU")
+    lib = quant_gemm.library()
+    assert lib is not None
+
+    def run(runner: LeanRunner, threads: int) -> list[torch.Tensor]:
+        runner.reset()
+        torch.set_num_threads(threads)
+        try:
+            return _run(runner, runner.vocab_size)
+        finally:
+            torch.set_num_threads(1)
+
+    runner = LeanRunner.from_gguf(model_file, max_length=96, int8=True)
+    adapt, split = lib.cs_lean_split_adapt(0), lib.cs_lean_split(0.5)
+    try:
+        ref = run(runner, 1)
+        for f in (0.5, 0.25, 0.75, 0.0, 1.0):
+            lib.cs_lean_split(f)
+            for a, b in zip(run(runner, 2), ref, strict=True):
+                assert torch.equal(a, b), f"split={f}"
+            assert lib.cs_lean_split(f) == f  # fixed while not adapting
+        lib.cs_lean_split_adapt(1)
+        lib.cs_lean_split(0.5)
+        run(runner, 1)
+        assert lib.cs_lean_split(0.5) == 0.5  # one thread: nothing to balance
+        got = run(runner, 2)
+        moved = lib.cs_lean_split(0.5)
+        assert 0.25 <= moved <= 0.75 and moved != 0.5
+        for a, b in zip(got, ref, strict=True):
+            assert torch.equal(a, b)
+    finally:
+        lib.cs_lean_split_adapt(adapt)
+        lib.cs_lean_split(split)
+
+
 def test_int8_products_keep_rows_equal(tmp_path: Path) -> None:
     """int8=True (x rounded to int8 for the block products, llama.cpp's way): its verify
     rows still equal its decode rows bit for bit, and its logits stay near the exact ones."""

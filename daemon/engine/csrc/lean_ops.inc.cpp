@@ -380,6 +380,8 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   std::atomic<int> rc{0};
   std::atomic<bool> broke{false};
   const int64_t threads = f.threads > 1 ? f.threads : 1;
+  const double split = g_split.load(std::memory_order_relaxed);  // thread 0's, of two
+  int64_t busy[2] = {0, 0};  // ns each of two threads spent in the products
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp single
@@ -389,19 +391,31 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       lo = total * tid / n;
       hi = total * (tid + 1) / n;
     };
+    int64_t ns = 0;
     auto mats = [&](const Mat* ms, int64_t count, int64_t M, float* y, int64_t ldy,
                     const float* res) {
+      const auto t0 = std::chrono::steady_clock::now();
       int64_t col = 0;
       for (int64_t i = 0; i < count; ++i) {
         const Mat& w = ms[i];
+        const int64_t np = (w.n + 15) / 16;
         int64_t p0, p1;
-        share((w.n + 15) / 16, p0, p1);
+        if (n == 2) {  // g_split's shares
+          const int64_t cut = static_cast<int64_t>(static_cast<double>(np) * split + 0.5);
+          p0 = tid == 0 ? 0 : cut;
+          p1 = tid == 0 ? cut : np;
+        } else {
+          share(np, p0, p1);
+        }
         if (cs_qgemm_i8_panels(xq, w.kind, M, w.k, static_cast<const uint8_t*>(w.p), w.n,
                                y + col, ldy, w.bias, res ? res + col : nullptr, ldy, p0, p1,
                                isa))
           rc.store(-1);
         col += w.n;
       }
+      ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now() - t0)
+                .count();
     };
     int64_t r0, r1;
     share(T, r0, r1);
@@ -466,7 +480,9 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
         if (tid == 0) broke.store(walk_ends(f, f.logits, m.vocab, r0, at));
       }
     }
+    if (n == 2) busy[tid] = ns;
   }
+  if (threads == 2) split_after(split, busy[0], busy[1]);
   const int r = rc.load();
   return r == 0 && f.stop ? static_cast<int>(done.load()) : r;
 }

@@ -82,6 +82,30 @@ std::atomic<int64_t> g_att_ahead{[] {
   return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{64};
 }()};
 
+// Two threads' shares of a forward's products: thread 0 takes this fraction of each
+// matrix's panels, thread 1 the rest. With fixed halves the faster core waited for the
+// slower one at every barrier after a product (in a VM the two cores' speed differs, and
+// which one is faster changes from run to run: a 16-token forward at 256 cached, SPR, had
+// one thread wait 2.8 ms of 19.7 and the other 0.5). After each two-thread forward the
+// fraction moves halfway to the one that would have balanced the time each thread spent
+// in the products (clamped to 0.25-0.75). Which thread computes a panel changes no number.
+// CODESPEC_SPLIT_ADAPT=0 or cs_lean_split_adapt(0): halves (for comparisons).
+std::atomic<double> g_split{0.5};
+std::atomic<int> g_split_adapt{[] {
+  const char* e = std::getenv("CODESPEC_SPLIT_ADAPT");
+  return e && e[0] == '0' ? 0 : 1;
+}()};
+
+// The fraction for the next forward from this one's: thread 0 did f of the panels in t0
+// ns, thread 1 the rest in t1.
+void split_after(double f, int64_t t0, int64_t t1) {
+  if (!g_split_adapt.load(std::memory_order_relaxed) || t0 <= 0 || t1 <= 0) return;
+  const double v0 = f / static_cast<double>(t0), v1 = (1.0 - f) / static_cast<double>(t1);
+  double next = f + 0.5 * (v0 / (v0 + v1) - f);
+  next = next < 0.25 ? 0.25 : next > 0.75 ? 0.75 : next;
+  g_split.store(next, std::memory_order_relaxed);
+}
+
 // A software prefetch stream over a chunk's K tiles then its V rows (each contiguous in
 // the cache): step(n) fetches the next n lines, `ahead` lines past what the kernel reads.
 struct Ahead {
@@ -839,6 +863,11 @@ int cs_lean_version() { return 1; }
 // Set how many cache lines ahead attention prefetches a chunk's keys and values; returns
 // the old value (0: none).
 int64_t cs_lean_att_ahead(int64_t n) { return g_att_ahead.exchange(n); }
+
+// Set thread 0's fraction of the products' panels (two threads) and whether it adapts
+// (see g_split); each returns the old value.
+double cs_lean_split(double f) { return g_split.exchange(f < 0.0 ? 0.0 : f > 1.0 ? 1.0 : f); }
+int cs_lean_split_adapt(int on) { return g_split_adapt.exchange(on ? 1 : 0); }
 
 // Forwards run as one parallel region so far (team_ok), for tests and diagnostics.
 int64_t cs_lean_team_forwards() { return spin_policy().forwards.load(); }
