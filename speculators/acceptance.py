@@ -17,11 +17,18 @@ and gets tried again. The caller chooses the prior (the policy: the rate one
 level shallower, so a proposer whose drafts are accepted deep gets its next
 depth tried). A node's chance is the product of the rates on its path.
 Accepted counts never include the bonus token.
+
+A draft that was offered but not verified is counted too, against the tokens the
+step produced (:func:`walk`, ``learn(..., depth=...)``): those are what the target
+writes at depths 1 to their count, whoever drafted them, so a node there would have
+been accepted exactly when its token is the produced one (at temperature > 0 the
+produced token is a sample of the target's distribution, and ``token == sample`` has
+the chance a deterministic node has of being accepted). Deeper nodes are not counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from codespec.speculators.draft import Draft
@@ -35,6 +42,7 @@ __all__ = [
     "node_chances",
     "node_keys",
     "prior",
+    "walk",
 ]
 
 PRIOR_FIRST = 0.6  # a first child's chance before anything is measured
@@ -114,11 +122,26 @@ class Acceptance:
 
     counts: dict[Key, Count] = field(default_factory=dict)
 
-    def learn(self, draft: Draft, accepted: Sequence[int], now: int) -> None:
-        """Count every reached node of a verified ``draft``; ``accepted`` its accepted nodes."""
+    def learn(
+        self,
+        draft: Draft,
+        accepted: Sequence[int],
+        now: int,
+        depth: int | None = None,
+        counted: Collection[int] = (),
+    ) -> None:
+        """Count every reached node of a verified ``draft``; ``accepted`` its accepted nodes.
+        ``depth``: count only the nodes at most this deep (a draft not verified, weighed
+        against the tokens a step produced: see :func:`walk`); ``counted``: nodes left
+        out (the part of the draft that was verified, counted already)."""
         assert draft.parents is not None
         hits = set(accepted)
+        levels = draft.levels if depth is not None else None
         for i, (key, p) in enumerate(zip(node_keys(draft), draft.parents, strict=True)):
+            if levels is not None and levels[i] > depth:  # type: ignore[operator]
+                continue
+            if i in counted:
+                continue
             if p < 0 or p in hits:
                 self.counts.setdefault(key, Count()).add(i in hits, now)
 
@@ -126,6 +149,28 @@ class Acceptance:
         """The key's rate: its counts pulled towards ``prior`` (``prior`` when none)."""
         c = self.counts.get(key)
         return prior if c is None else c.rate(prior, now)
+
+
+def walk(draft: Draft, tokens: Sequence[int]) -> list[int]:
+    """The nodes of ``draft`` that greedy verification would have accepted had the target
+    written ``tokens`` (its tokens at depths 1, 2, ...): root to leaf, at most
+    ``len(tokens)`` of them, at each depth the first child holding that depth's token.
+
+    >>> walk(Draft([5, 6, 7, 8], [-1, 0, 0, 2]), [5, 7, 8, 9])
+    [0, 2, 3]
+    >>> walk(Draft([5, 6, 7]), [5, 6])
+    [0, 1]
+    """
+    assert draft.parents is not None
+    path: list[int] = []
+    at = -1
+    for i, p in enumerate(draft.parents):
+        if len(path) == len(tokens):
+            break
+        if p == at and draft.tokens[i] == tokens[len(path)]:
+            path.append(i)
+            at = i
+    return path
 
 
 def node_chances(draft: Draft, rate: Callable[[Key], float]) -> list[float]:

@@ -191,6 +191,11 @@ class Line:
     def measured(self) -> bool:
         return self.w > 0
 
+    @property
+    def mean_n(self) -> float:
+        """The decayed mean of the sizes seen (0 before anything was measured)."""
+        return self.s_n / self.w if self.w else 0.0
+
     def at(self, n: float) -> float:
         """Expected ms at size ``n`` (0 before anything was measured)."""
         if not self.w:

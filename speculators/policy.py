@@ -20,11 +20,13 @@ each proposer's realised tokens per ms over the steps it was in charge of.
 
 Each step:
 
-1. *Cheap* proposers (own time at most :data:`CHEAP` of a plain step, or not
-   measured yet: the n-gram proposer, lookahead) are asked in order, unless backing
-   off, until one offers :data:`ENOUGH` expected tokens (asking lookahead too on a
-   step the n-gram draft already fills cost auto ~8% of its decode time; at 2 tokens
-   auto was at 89-96% of ngram's decode speed on edit and novel code, at 1 at 93-106%).
+1. *Cheap* proposers (own time, at the draft size they offer, at most :data:`CHEAP` of
+   a plain step, or not measured yet: the n-gram proposer, lookahead) are asked in
+   order, unless backing off, until one offers :data:`ENOUGH` expected tokens (asking
+   lookahead too on a step the n-gram draft already fills cost auto ~8% of its decode
+   time; at 2 tokens auto was at 89-96% of ngram's decode speed on edit and novel
+   code, at 1 at 93-106%). Drafts asked for and not verified are counted against the
+   tokens the step produced (see ``_shadow``).
    Each draft is cut to the nodes worth verifying: likeliest first, as many as
    give the most ``(1 + expected accepted) / (forward(1 + nodes) + rest)``
    (:func:`~codespec.speculators.acceptance.best_cut`); a plain step is worth
@@ -54,11 +56,18 @@ controller sees the smaller budget.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from codespec.speculators.acceptance import Key, best_cut, depth_bucket, node_chances, prior
+from codespec.speculators.acceptance import (
+    Key,
+    best_cut,
+    depth_bucket,
+    node_chances,
+    prior,
+    walk,
+)
 from codespec.speculators.book import (
     Backoff,
     Book,
@@ -137,6 +146,7 @@ class _Offer:
     draft: Draft | None
     value: float
     offered: bool = False  # it had a draft, worth verifying or not
+    full: Draft | None = None  # the draft as the proposer offered it, before the cut
 
 
 class Controller:
@@ -231,6 +241,7 @@ class Controller:
         chosen = self.children.get(self.choice)
         if chosen is not None and verified and not self._costly and result.accepted_len:
             chosen.backoff.win()
+        self._shadow(result, chosen if verified else None)
         t0 = time.perf_counter()
         for child in self.children.values():
             if child is chosen:
@@ -238,6 +249,35 @@ class Controller:
             else:
                 child.p.follow(child.result(result))
         self._own += (time.perf_counter() - t0) * 1000
+
+    def _shadow(self, result: StepResult, verified: _Child | None) -> None:
+        """Count the cheap drafts asked for this step against the tokens it produced
+        (``acceptance.walk``), where they were not verified: a proposer that lost the step
+        to another (or whose draft was cut away) learns what its draft would have got, and
+        the one verified learns the nodes past its cut that the bonus token decides. So a
+        source whose first drafts of a request were rejected (an edit's first changed
+        line) wins its steps back once the text follows it again, and a chain that is
+        accepted whole is tried one node deeper the next step (before: 3-token drafts of
+        the old region, accepted whole, for ~20-60 steps of an edit that drafts of 64
+        did in a few). One that would have had a token accepted is no longer backed
+        off."""
+        if not result.tokens:
+            return
+        for offer in self._cheap_offers:
+            child, full = offer.child, offer.full
+            if child is None or full is None:
+                continue
+            counted: Collection[int] = ()
+            if child is verified:
+                cut = result.draft
+                if cut is None or cut.origin is None or cut.origin[0] is not full:
+                    continue  # verified whole (or not this offer's): counted already
+                counted = set(cut.origin[1])
+            hits = walk(full, result.tokens)
+            for book in _both(self.doc, self.glob):
+                book.accept.learn(full, hits, self.store.steps, len(result.tokens), counted)
+            if hits and child is not verified:
+                child.backoff.win()
 
     # -- a step ----------------------------------------------------------------------
 
@@ -248,12 +288,18 @@ class Controller:
         return [table[1 + k] + rest for k in range(budget + 1)]
 
     def _split(self, plain_ms: float, budget: int) -> tuple[list[_Child], list[str]]:
-        """(the cheap proposers: own time for a draft of ``budget`` nodes at most
-        :data:`CHEAP` of a plain step, or not measured yet; the names of the costly)."""
+        """(the cheap proposers: own time for a draft of the size they offer (at most
+        ``budget`` nodes) at most :data:`CHEAP` of a plain step, or not measured yet; the
+        names of the costly)."""
         cheap, costly = [], []
         for child in self.children.values():
             own = self.store.own.get(child.name)
-            if own is None or not own.measured or own.at(budget) <= CHEAP * plain_ms:
+            # at the size it offers, not the line's extrapolation to the whole budget: an
+            # n-gram draft's time grows with its nodes, and one slow ask early in a
+            # request priced a 64-node budget over CHEAP; costly, the proposer was judged
+            # by its first steps' speed and retired for the whole edit
+            size = min(budget, max(1.0, own.mean_n)) if own is not None else 1.0
+            if own is None or not own.measured or own.at(size) <= CHEAP * plain_ms:
                 cheap.append(child)
             else:
                 costly.append(child.name)
@@ -277,10 +323,10 @@ class Controller:
         chances = node_chances(draft, self._rate)
         keep, value = best_cut(chances, budget, step_ms)
         if not keep:
-            return _Offer(child, None, value, offered=True)
+            return _Offer(child, None, value, offered=True, full=draft)
         cut = draft if len(keep) == len(draft) else draft.select(keep)
         cut.chances = [chances[k] for k in keep]
-        return _Offer(child, cut, value, offered=True)
+        return _Offer(child, cut, value, offered=True, full=draft)
 
     def _charge(self, offer: _Offer, costly: bool) -> Draft | None:
         """Put the offer's proposer (or a plain step) in charge; back off the cheap

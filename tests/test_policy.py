@@ -10,7 +10,14 @@ import torch
 
 from codespec.daemon.engine.engine import GenParams
 from codespec.speculators import policy
-from codespec.speculators.acceptance import PRIOR_FIRST, Acceptance, Count, best_cut, node_keys
+from codespec.speculators.acceptance import (
+    PRIOR_FIRST,
+    Acceptance,
+    Count,
+    best_cut,
+    node_keys,
+    walk,
+)
 from codespec.speculators.book import Avg, Book, PolicyStore, forget, temperature_class
 from codespec.speculators.costs import CLIP, SIZES, ForwardCosts, Line
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
@@ -564,3 +571,52 @@ def test_the_engine_times_forwards_without_touching_its_cache(engine):
     store = PolicyStore()
     store.costs.seed(table)
     assert {s for s, _ in store.costs.known()} == {1, 4, 16}
+
+
+def test_walk_finds_what_verification_would_have_accepted():
+    d = Draft([5, 6, 7, 8, 9], [-1, 0, 0, 2, 3])
+    assert walk(d, [5, 7, 8, 9]) == [0, 2, 3, 4]
+    assert walk(d, [5, 7]) == [0, 2]  # no deeper than the tokens produced
+    assert walk(d, [4, 7]) == []
+
+
+def test_a_draft_not_verified_learns_from_the_tokens_the_step_produced():
+    """The proposer whose draft lost the step (and the verified one, past its cut) is
+    counted against the tokens the step produced, at most that deep: a source rejected
+    early in a request wins its steps back once the text follows it again."""
+    store = store_with(0.2)
+    good = Fixed([10, 11, 12, 13, 14, 15, 16, 17])
+    rival = Fixed([10, 11, 12])
+    good.propose = lambda c, b: Draft.chain(good.tokens[:b], "good")  # type: ignore[method-assign]
+    rival.propose = lambda c, b: Draft.chain(rival.tokens[:b], "rival")  # type: ignore[method-assign]
+    ctl = Controller(None, {"good": good, "rival": rival}, store, "auto")
+    ctl.begin(RequestInfo(prompt_ids=[1, 2, 3]))
+    book = store.engine_wide["greedy"]
+    for depth in (1, 2, 3):  # the rival's 3 nodes always accepted; the good one's rejected
+        book.accept.counts[("rival", 0, depth, False)] = Count(50, 50, 0)
+        book.accept.counts[("good", 0, depth, False)] = Count(0, 6, 0)
+    chosen = []
+    for _ in range(20):
+        draft = ctl.propose([1, 2, 3], 8)
+        assert draft is not None
+        chosen.append((draft.source(0), len(draft)))
+        acc = list(range(len(draft)))  # the text is 10, 11, ... 17: every node accepted
+        tokens = [draft.tokens[a] for a in acc] + [10 + len(draft)]
+        ctl.observe(StepResult(draft, acc, tokens[-1], tokens, forward_tokens=1 + len(draft)))
+    assert chosen[0] == ("rival", 3) and chosen[-1] == ("good", 8)
+    assert ctl._rate(("good", 0, 4, False)) > 0.9  # bonus tokens decided depth 4
+
+
+def test_a_proposer_is_cheap_by_its_time_at_the_size_it_offers():
+    """Own time grows with a draft's nodes: the cheap-or-costly test reads it at the size
+    the proposer offers, not extrapolated to the whole budget (an n-gram proposer priced
+    at 64 nodes after one slow ask was taken for a costly one and retired)."""
+    store = store_with(0.2)
+    line = store.own.setdefault("fixed", Line())
+    for n, ms in [(4, 0.1), (8, 0.3)] * 4:  # 0.05 ms a node: 3.1 ms at 64 nodes
+        line.add(n, ms)
+    ctl = Controller(None, {"fixed": Fixed([1, 2])}, store, "fixed")
+    plain_ms = store.costs.at(1)
+    assert line.at(64) > policy.CHEAP * plain_ms >= line.at(line.mean_n)
+    cheap, costly = ctl._split(plain_ms, 64)
+    assert [c.name for c in cheap] == ["fixed"] and costly == []
