@@ -136,11 +136,9 @@ class Acceptance:
         out (the part of the draft that was verified, counted already)."""
         assert draft.parents is not None
         hits = set(accepted)
-        levels = draft.levels if depth is not None else None
+        levels = draft.levels if depth is not None else []
         for i, (key, p) in enumerate(zip(node_keys(draft), draft.parents, strict=True)):
-            if levels is not None and levels[i] > depth:  # type: ignore[operator]
-                continue
-            if i in counted:
+            if (depth is not None and levels[i] > depth) or i in counted:
                 continue
             if p < 0 or p in hits:
                 self.counts.setdefault(key, Count()).add(i in hits, now)

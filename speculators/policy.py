@@ -145,8 +145,12 @@ class _Offer:
     child: _Child | None
     draft: Draft | None
     value: float
-    offered: bool = False  # it had a draft, worth verifying or not
     full: Draft | None = None  # the draft as the proposer offered it, before the cut
+
+    @property
+    def offered(self) -> bool:
+        """It had a draft, worth verifying or not."""
+        return self.full is not None
 
 
 class Controller:
@@ -298,8 +302,11 @@ class Controller:
             # n-gram draft's time grows with its nodes, and one slow ask early in a
             # request priced a 64-node budget over CHEAP; costly, the proposer was judged
             # by its first steps' speed and retired for the whole edit
-            size = min(budget, max(1.0, own.mean_n)) if own is not None else 1.0
-            if own is None or not own.measured or own.at(size) <= CHEAP * plain_ms:
+            if (
+                own is None
+                or not own.measured
+                or own.at(min(budget, max(1.0, own.mean_n))) <= CHEAP * plain_ms
+            ):
                 cheap.append(child)
             else:
                 costly.append(child.name)
@@ -323,10 +330,10 @@ class Controller:
         chances = node_chances(draft, self._rate)
         keep, value = best_cut(chances, budget, step_ms)
         if not keep:
-            return _Offer(child, None, value, offered=True, full=draft)
+            return _Offer(child, None, value, full=draft)
         cut = draft if len(keep) == len(draft) else draft.select(keep)
         cut.chances = [chances[k] for k in keep]
-        return _Offer(child, cut, value, offered=True, full=draft)
+        return _Offer(child, cut, value, full=draft)
 
     def _charge(self, offer: _Offer, costly: bool) -> Draft | None:
         """Put the offer's proposer (or a plain step) in charge; back off the cheap

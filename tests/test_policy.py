@@ -49,15 +49,15 @@ class Fixed:
 
     name = "fixed"
 
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens, self.asked, self.observed = tokens, 0, []
+    def __init__(self, tokens: list[int], source: str = "fixed") -> None:
+        self.tokens, self.source, self.asked, self.observed = tokens, source, 0, []
 
     def begin(self, request) -> None:
         pass
 
     def propose(self, context, budget):
         self.asked += 1
-        return Draft.chain(self.tokens[:budget], "fixed")
+        return Draft.chain(self.tokens[:budget], self.source)
 
     def observe(self, result) -> None:
         self.observed.append(result)
@@ -585,10 +585,8 @@ def test_a_draft_not_verified_learns_from_the_tokens_the_step_produced():
     counted against the tokens the step produced, at most that deep: a source rejected
     early in a request wins its steps back once the text follows it again."""
     store = store_with(0.2)
-    good = Fixed([10, 11, 12, 13, 14, 15, 16, 17])
-    rival = Fixed([10, 11, 12])
-    good.propose = lambda c, b: Draft.chain(good.tokens[:b], "good")  # type: ignore[method-assign]
-    rival.propose = lambda c, b: Draft.chain(rival.tokens[:b], "rival")  # type: ignore[method-assign]
+    good = Fixed([10, 11, 12, 13, 14, 15, 16, 17], "good")
+    rival = Fixed([10, 11, 12], "rival")
     ctl = Controller(None, {"good": good, "rival": rival}, store, "auto")
     ctl.begin(RequestInfo(prompt_ids=[1, 2, 3]))
     book = store.engine_wide["greedy"]
