@@ -234,7 +234,9 @@ def test_thread_shares_change_no_number(model_file: Path) -> None:
     """With two threads the one-region forward gives thread 0 a fraction of each product's
     panels (moved after each forward toward the one that balances the threads' time in the
     products): any fraction gives the same logits bit for bit as halves and as one
-    thread; adapting moves it within 0.25-0.75 and only for two threads."""
+    thread (0.3, 0.45 and 0.6 cut the 16- and 8-panel matrices inside a group of four
+    panels, leaving each thread 1, 2 or 3 of it: the passes over part of a group);
+    adapting moves it within 0.25-0.75 and only for two threads."""
     if not quant_gemm.i8_available():
         pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
@@ -252,7 +254,7 @@ def test_thread_shares_change_no_number(model_file: Path) -> None:
     adapt, split = lib.cs_lean_split_adapt(0), lib.cs_lean_split(0.5)
     try:
         ref = run(runner, 1)
-        for f in (0.5, 0.25, 0.75, 0.0, 1.0):
+        for f in (0.5, 0.25, 0.75, 0.3, 0.45, 0.6, 0.0, 1.0):
             lib.cs_lean_split(f)
             for a, b in zip(run(runner, 2), ref, strict=True):
                 assert torch.equal(a, b), f"split={f}"
