@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from codespec.daemon.client import Client
-from codespec.daemon.engine.lean import gguf_products
+from codespec.daemon.engine.lean import attention_for, gguf_products
 from codespec.speculators.heads import HEADS_DIR
 
 # `serve` loads the default model: fetched (once) before a daemon starts; the daemons find it
@@ -100,8 +100,10 @@ def test_serve_lifecycle(tmp_path):
             shipped = f"weights in {HEADS_DIR / 'smollm2-135m-instruct'}"  # loaded with it
             assert s["policy"]["weights"]["eagle"] == shipped
             if s["runner"] == "lean":  # the default model runs from its GGUF's own blocks
-                products = "int8 activations" if gguf_products() == "int8" else "exact"
-                assert s["cpu_kernel"] == f"qgemm, GGUF blocks Q4_1/Q8_0, {products} products"
+                int8 = gguf_products() == "int8"
+                products = "int8 activations" if int8 else "exact"
+                kernel = f"qgemm, GGUF blocks Q4_1/Q8_0, {products} products"
+                assert s["cpu_kernel"] == f"{kernel}, {attention_for(int8)} attention"
             text = cli(env, "status", timeout=60)
             assert f"weights    eagle: {shipped}" in text.stdout, text.stdout
             assert s["requests"]["served"] >= 1

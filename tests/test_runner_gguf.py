@@ -8,9 +8,11 @@ quantize them), so the weights are what gguf dequantizes them to.
 
 Checked: logits within tolerance of transformers' model of the same file
 (``from_pretrained(gguf_file=...)``, dequantized fp32) through prefill, decode, chains,
-a tree with ``keep`` and ``truncate``; decode rows equal verify rows bit for bit (chain,
-tree, after keep); the scalar / AVX2 paths and one or two threads give the very logits of
-the best path; the int8-activation option keeps rows bit-equal too; the header parser
+a tree with ``keep`` and ``truncate`` (bf16 attention: against transformers' model with the
+same roundings in its attention); decode rows equal verify rows bit for bit (chain, tree,
+after keep); the scalar / AVX2 paths, one or two threads and (bf16 attention) the CPU's own
+bf16 dot products or FMAs give the very logits of the best path; the int8-activation
+option keeps rows bit-equal too; the header parser
 agrees with gguf's reader; a folder the model cache made from a GGUF loads from its
 blocks, an unsupported one is refused with a reason; the fast tokenizer answers as
 ``AutoTokenizer`` does.
@@ -30,7 +32,12 @@ from ggufs import write_gguf  # noqa: E402
 
 from codespec.daemon.engine import gguf_weights, quant_gemm  # noqa: E402
 from codespec.daemon.engine.engine import HEAD_FIRST_ROWS  # noqa: E402
-from codespec.daemon.engine.lean import LeanRunner, from_model_folder, gguf_products  # noqa: E402
+from codespec.daemon.engine.lean import (  # noqa: E402
+    LeanRunner,
+    attention_for,
+    from_model_folder,
+    gguf_products,
+)
 from codespec.daemon.engine.runner import HFRunner  # noqa: E402
 from codespec.speculators.draft import Draft  # noqa: E402
 from codespec.speculators.verify import verify_greedy  # noqa: E402
@@ -78,15 +85,59 @@ def _write(path: Path, qtype: str, arch: str = "llama", seed: int = 0) -> Path:
         return write_gguf(path, arch=arch, qtype=qtype, seed=seed, **SHAPE)
 
 
-def _reference(path: Path) -> HFRunner:
-    from transformers import AutoModelForCausalLM
+def _reference(path: Path, attention: str = "fp32") -> HFRunner:
+    """transformers' model of the GGUF; ``attention="bf16"``: its attention replaced by
+    :func:`_bf16_attention`, the stack's bf16 attention in float64."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
+    if attention == "bf16":
+        AttentionInterface.register("codespec_bf16", _bf16_attention)
+        model.set_attn_implementation("codespec_bf16")
     return HFRunner(model.eval())
 
 
+def _bf16_attention(module, query, key, value, attention_mask, scaling, **_):
+    """What the stack's bf16 attention computes, in float64 from transformers' q, k, v:
+    q (scaled), k and v rounded to bf16; per chunk of 128 keys of a row's key list, the
+    weights exp(s - chunk max) rounded to bf16 and summed as rounded; chunks merged."""
+
+    def bf(x: torch.Tensor) -> torch.Tensor:
+        return x.float().to(torch.bfloat16).to(torch.float64)
+
+    b, nh, t, d = query.shape
+    group = nh // key.shape[1]
+    q = bf(query.float() * scaling)
+    k = bf(key).repeat_interleave(group, dim=1)
+    v = bf(value).repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2)  # (B, NH, T, S)
+    n = k.shape[2]
+    if attention_mask is None:
+        seen = torch.ones(t, n, dtype=torch.bool).tril(n - t)[None, None]
+    elif attention_mask.dtype == torch.bool:
+        seen = attention_mask
+    else:
+        seen = attention_mask == 0
+    out = torch.zeros(b, nh, t, d, dtype=torch.float64)
+    for bi, h, r in np.ndindex(b, nh, t):
+        keys = seen[bi if seen.shape[0] > 1 else 0, 0, r].nonzero().flatten()
+        parts = []
+        for c in range(0, len(keys), 128):
+            idx = keys[c : c + 128]
+            sc = s[bi, h, r, idx]
+            m = sc.max()
+            p = bf(torch.exp(sc - m))
+            parts.append((m, p.sum(), p @ v[bi, h, idx]))
+        top = max(m for m, _, _ in parts)
+        num = sum(o * torch.exp(m - top) for m, _, o in parts)
+        den = sum(l_ * torch.exp(m - top) for m, l_, _ in parts)
+        out[bi, h, r] = num / den
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+ATTENTIONS = ["fp32", "bf16"]  # the stack's (qstack.ATTENTION)
 CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "Q4_K"), ("llama", "Q6_K")]
 CASES += [("qwen2", "Q4_1")]
 
@@ -111,16 +162,26 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, atol=2e-2 * float(b.std()) + 1e-4, rtol=0)
 
 
-def test_logits_match_transformers(model_file: Path) -> None:
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_logits_match_transformers(model_file: Path, attention: str) -> None:
     """Prefill, decode steps, a chain, a tree + keep, truncate: each forward's logits as
-    transformers computes them from the same GGUF."""
-    lean = LeanRunner.from_gguf(model_file, max_length=128)
-    hf = _reference(model_file)
+    transformers computes them from the same GGUF; with bf16 attention, as transformers'
+    model with its attention replaced by the same roundings (``_bf16_attention``)."""
+    lean = LeanRunner.from_gguf(model_file, max_length=128, attention=attention)
+    hf = _reference(model_file, attention)
     assert lean.stack is not None and lean.gguf
     v = lean.vocab_size
 
     def both(ids, parents=None):
-        _close(lean.forward(ids, parents).logits, hf.forward(ids, parents).logits)
+        got, ref = lean.forward(ids, parents).logits, hf.forward(ids, parents).logits
+        if attention == "fp32":
+            _close(got, ref)
+        else:  # the same roundings: near nothing, but where a value sits at a bf16 rounding
+            # boundary (transformers' fp32 sums differ in the last bit) it may round the
+            # other way: seen up to 2.4% of the spread in one logit, 0.0x% on the mean
+            err, spread = (got - ref).abs(), float(ref.std())
+            assert float(err.max()) <= 3e-2 * spread + 1e-4
+            assert float(err.mean()) <= 2e-3 * spread
         assert lean.length == hf.length
 
     both(_ids(20, 1, v))
@@ -136,10 +197,11 @@ def test_logits_match_transformers(model_file: Path) -> None:
     both(_ids(4, 5, v))
 
 
-def test_decode_rows_equal_verify_rows(model_file: Path) -> None:
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_decode_rows_equal_verify_rows(model_file: Path, attention: str) -> None:
     """A verify forward's rows (chain or tree) equal the decode steps at their places bit
     for bit, and the cache a tree leaves after keep equals the decoded one."""
-    lean = LeanRunner.from_gguf(model_file, max_length=160)
+    lean = LeanRunner.from_gguf(model_file, max_length=160, attention=attention)
     v = lean.vocab_size
     prompt, draft = _ids(130, 6, v), _ids(9, 7, v)  # past a 128-key chunk boundary
     lean.forward(prompt)
@@ -167,23 +229,28 @@ def _run(runner: LeanRunner, v: int) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
-def test_fallback_paths_give_the_same_logits(model_file: Path, isa: str, monkeypatch) -> None:
+def test_fallback_paths_give_the_same_logits(
+    model_file: Path, isa: str, attention: str, monkeypatch
+) -> None:
     """CODESPEC_QGEMM_ISA forces the products' and the stack's path: the plain C++ one (and
-    AVX2 where AVX-512 is the default) gives the very logits of the default path."""
+    AVX2 where AVX-512 is the default) gives the very logits of the default path (with bf16
+    attention: FMAs in vdpbf16ps's order where the default path may run vdpbf16ps)."""
     if not quant_gemm.isa_supported(isa):
         pytest.skip(f"this CPU cannot run the {isa} path")
-    best = LeanRunner.from_gguf(model_file, max_length=96)
+    best = LeanRunner.from_gguf(model_file, max_length=96, attention=attention)
     ref = _run(best, best.vocab_size)
     monkeypatch.setenv(quant_gemm.ISA_ENV, isa)
-    forced = LeanRunner.from_gguf(model_file, max_length=96)
+    forced = LeanRunner.from_gguf(model_file, max_length=96, attention=attention)
     for a, b in zip(_run(forced, forced.vocab_size), ref, strict=True):
         assert torch.equal(a, b)
 
 
-def test_threads_change_nothing(model_file: Path) -> None:
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_threads_change_nothing(model_file: Path, attention: str) -> None:
     """One or two threads (products and attention split differently): the same logits."""
-    runner = LeanRunner.from_gguf(model_file, max_length=96)
+    runner = LeanRunner.from_gguf(model_file, max_length=96, attention=attention)
     one = _run(runner, runner.vocab_size)
     runner.reset()
     torch.set_num_threads(2)
@@ -195,7 +262,8 @@ def test_threads_change_nothing(model_file: Path) -> None:
         assert torch.equal(a, b)
 
 
-def test_attention_prefetch_changes_no_number(model_file: Path) -> None:
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_attention_prefetch_changes_no_number(model_file: Path, attention: str) -> None:
     """Attention's software prefetch of a chunk's keys and values (off, 1 line ahead, the
     default, past the chunk's end) is a memory hint: prefill over several chunks (the last
     one partial), decode steps, chains and trees give the same logits bit for bit."""
@@ -213,7 +281,7 @@ def test_attention_prefetch_changes_no_number(model_file: Path) -> None:
 
     before = lib.cs_lean_att_ahead(0)
     try:
-        runner = LeanRunner.from_gguf(model_file, max_length=352)
+        runner = LeanRunner.from_gguf(model_file, max_length=352, attention=attention)
         ref = run(runner)
         for ahead in (1, before, 10_000):
             lib.cs_lean_att_ahead(ahead)
@@ -228,6 +296,55 @@ def test_attention_prefetch_changes_no_number(model_file: Path) -> None:
                     assert torch.equal(a, b), f"ahead={ahead} threads={threads}"
     finally:
         lib.cs_lean_att_ahead(before)
+
+
+def test_bf16_attention_on_the_cpus_own_dot_products_equals_the_fmas(model_file: Path) -> None:
+    """Where the CPU has AVX512-BF16, bf16 attention through vdpbf16ps gives the very
+    logits of the same path through FMAs (cs_lean_bf16_native(0)): prefill over several
+    128-key chunks, decode, chain, tree + keep (gathered keys), one and two threads."""
+    lib = quant_gemm.library()
+    assert lib is not None
+    before = lib.cs_lean_bf16_native(1)
+    try:
+        if not lib.cs_lean_bf16_native(-1):
+            pytest.skip("this CPU has no AVX512-BF16")
+        runner = LeanRunner.from_gguf(model_file, max_length=352, attention="bf16")
+        v = runner.vocab_size
+
+        def run() -> list[torch.Tensor]:
+            runner.reset()
+            out = [runner.forward(_ids(300, 15, v)).logits, runner.forward([3]).logits]
+            out.append(runner.forward(_ids(5, 9, v), [-1, 0, 0, 1, -1]).logits)
+            runner.keep([0, 1, 3])
+            out.append(runner.forward(_ids(2, 10, v)).logits)
+            return out
+
+        native = run()
+        lib.cs_lean_bf16_native(0)
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            try:
+                fmas = run()
+            finally:
+                torch.set_num_threads(1)
+            for a, b in zip(fmas, native, strict=True):
+                assert torch.equal(a, b), f"threads={threads}"
+    finally:
+        lib.cs_lean_bf16_native(before)
+
+
+def test_attention_follows_the_products_unless_asked(monkeypatch) -> None:
+    """bf16 attention with int8 products (the inexact path), fp32 with the exact ones;
+    CODESPEC_ATTENTION chooses, a bad name is an error naming the choices."""
+    monkeypatch.delenv("CODESPEC_ATTENTION", raising=False)
+    assert attention_for(True) == "bf16" and attention_for(False) == "fp32"
+    monkeypatch.setenv("CODESPEC_ATTENTION", "fp32")
+    assert attention_for(True) == "fp32"
+    monkeypatch.setenv("CODESPEC_ATTENTION", "BF16")
+    assert attention_for(False) == "bf16"
+    monkeypatch.setenv("CODESPEC_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="bf16"):
+        attention_for(True)
 
 
 def test_thread_shares_change_no_number(model_file: Path) -> None:

@@ -5,8 +5,10 @@ Runners over the same model (``--runners``, those that apply):
 - ``gguf``: the lean runner on the GGUF's own blocks, exact products
   (``CODESPEC_GGUF_PRODUCTS=exact``);
 - ``gguf-i8``: the same with x rounded to int8 for the block products (llama.cpp's way;
-  not bit-equal to ``gguf``): what the engine loads on a CPU with AVX2 or AVX-512 VNNI
-  for a model made from a GGUF;
+  not bit-equal to ``gguf``) and bf16 attention over a bf16 cache: what the engine loads
+  on a CPU with AVX2 or AVX-512 VNNI for a model made from a GGUF;
+- ``gguf-i8-fp32att``: ``gguf-i8`` with fp32 attention over an fp16 cache (what it ran
+  before bf16 attention), for comparisons;
 - ``fp16``: the lean runner on the folder's safetensors as 16-bit ``cpu_gemm`` panels
   (the engine's runner before GGUF blocks; an fp32 checkpoint keeps fp32 panels);
 - ``torch-int8`` / ``torch-int4``: the lean runner's torch path with every matrix through
@@ -50,7 +52,7 @@ from codespec.daemon.engine import gguf_weights, models
 from codespec.daemon.engine.footprint import kv_bytes, param_bytes
 from codespec.daemon.engine.lean import LeanRunner
 
-RUNNERS = ("gguf", "gguf-i8", "fp16", "torch-int8", "torch-int4")
+RUNNERS = ("gguf", "gguf-i8", "gguf-i8-fp32att", "fp16", "torch-int8", "torch-int4")
 
 
 class WeightOnly:
@@ -107,7 +109,9 @@ def build(name: str, folder: Path, max_length: int) -> LeanRunner:
         if path is None:
             raise LookupError("the model folder names no GGUF")
         config = gguf_weights.config_from_json(folder / "config.json")
-        return LeanRunner.from_gguf(path, config, max_length, int8=name == "gguf-i8")
+        int8 = name.startswith("gguf-i8")
+        attention = "fp32" if name.endswith("fp32att") else None
+        return LeanRunner.from_gguf(path, config, max_length, int8=int8, attention=attention)
     if name == "fp16":
         runner = LeanRunner.from_pretrained(folder, max_length=max_length, kernels=True)
         runner.half_panels()

@@ -44,7 +44,7 @@ def param_bytes(runner: Any) -> int:
 
 def kv_bytes(runner: Any, tokens: int) -> int:
     """Bytes of K and V that attention reads over ``tokens`` cached positions."""
-    if runner.stack is not None:  # fp16 K tiles and V rows of Dp
+    if runner.stack is not None:  # 16-bit K tiles and V rows of Dp (fp16 or bf16)
         d = runner.head_dim + qstack.head_dim_padded(runner.head_dim)
         return runner.num_layers * runner.n_kv * d * 2 * tokens
     per_token = runner.num_layers * 2 * runner.n_kv * runner.head_dim * runner.kv.element_size()

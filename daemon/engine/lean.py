@@ -15,9 +15,10 @@ Two ways to run, chosen at load:
 - **The stack** (:mod:`~codespec.daemon.engine.qstack`, C++): on the CPU, with products
   through ``cpu_gemm`` panels (fp32 / fp16 / bf16: an fp32 checkpoint, or
   :meth:`LeanRunner.half_panels`) or GGUF blocks (``quant_gemm``), the whole decoder stack
-  is one call per forward, over an fp16 KV cache (attention products in fp32). Every row
-  equals, bit for bit, the one-token forward at its place (verify rows equal decode rows,
-  chains and trees), on every ISA and thread count.
+  is one call per forward, over a 16-bit KV cache: fp16 with attention products in fp32,
+  or, with int8 block products (the fast, inexact path), bf16 with bf16 attention
+  (:func:`attention_for`). Every row equals, bit for bit, the one-token forward at its
+  place (verify rows equal decode rows, chains and trees), on every ISA and thread count.
 - **torch** (``kernels=False``, CUDA, no compiler; ``lean_torch``): q/k/v and gate/up fused,
   weights ``(in, out)`` applied as ``x @ W``, an fp32 (bf16 on CUDA) cache, SDPA with an
   explicit mask (a chain after a cache is not SDPA's top-left ``is_causal``).
@@ -101,6 +102,7 @@ class LeanRunner:
         compile: bool = False,
         kernels: bool | None = None,
         int8: bool = False,
+        attention: str | None = None,
     ) -> None:
         if not supports(config):
             raise ValueError(f"the lean runner does not support this config ({config.model_type})")
@@ -111,6 +113,7 @@ class LeanRunner:
         self._shape(config, max_length, chunk)
         self.gguf = isinstance(state, gguf_weights.GGUFWeights)
         self.int8 = bool(int8) and self.gguf  # block products x rounded to int8 (inexact)
+        self.attention = attention or attention_for(self.int8)  # the stack's (qstack)
         if self.gguf:
             if self.device.type != "cpu" or dtype != torch.float32 or compile or kernels is False:
                 raise ValueError("a GGUF's blocks run on the CPU, in fp32, uncompiled")
@@ -162,7 +165,7 @@ class LeanRunner:
         self._arange = torch.arange(self.max_length + self.chunk, device=self.device)
 
     def _fresh_cache(self) -> torch.Tensor:
-        """An empty KV cache: the stack's fp16 one (``qstack.cache``: zero pages until
+        """An empty KV cache: the stack's 16-bit one (``qstack.cache``: zero pages until
         written), else ``(L, 2, KV, S_max, D)`` zeros."""
         if self.stack is not None:
             return qstack.cache(self.num_layers, self.n_kv, self.head_dim, self.max_length)
@@ -183,7 +186,7 @@ class LeanRunner:
         embed = self._embed_q if self.gguf else self.embed
         cfg = dict(hidden=self.hidden_size, heads=self.n_heads, kv_heads=self.n_kv)
         cfg.update(head_dim=self.head_dim, inter=self.inter, vocab=self.vocab_size, eps=self.eps)
-        cfg.update(cos=self.cos, sin=self.sin, int8=self.int8)
+        cfg.update(cos=self.cos, sin=self.sin, int8=self.int8, attention=self.attention)
         try:
             self.stack = qstack.Stack(cfg, specs, self.norm, embed, self.lm_head_t)
         except (RuntimeError, ValueError) as exc:
@@ -232,14 +235,16 @@ class LeanRunner:
         max_length: int | None = None,
         chunk: int = 256,
         int8: bool = False,
+        attention: str | None = None,
     ) -> LeanRunner:
         """Run a GGUF from its own blocks (see ``gguf_weights``); ``config``: an HF-style
         config (default: the GGUF's metadata); ``int8``: products with x rounded to int8
-        (``quant_gemm.linear_i8``, not exact: plain decoding with it is its own reference)."""
+        (``quant_gemm.linear_i8``, not exact: plain decoding with it is its own reference);
+        ``attention``: ``fp32`` or ``bf16`` (default: :func:`attention_for`)."""
         g = path if isinstance(path, gguf_weights.GGUFFile) else gguf_weights.read(path)
         config = config if config is not None else gguf_weights.config_from_meta(g)
         w = gguf_weights.load(g, config)
-        return cls(config, w, max_length=max_length, chunk=chunk, int8=int8)
+        return cls(config, w, max_length=max_length, chunk=chunk, int8=int8, attention=attention)
 
     def _load_gguf(self, w: gguf_weights.GGUFWeights) -> None:
         self.norm = w.norm
@@ -425,6 +430,23 @@ class LeanRunner:
             return ForwardOut(logits=logits, hidden=hidden)
         rows = "all" if rows == "greedy" else rows  # the torch path computes every row
         return lean_torch.forward_chunk(self, ids, depth, anc, taps, rows)
+
+
+def attention_for(int8: bool) -> str:
+    """The stack's attention (``qstack.ATTENTION``): ``$CODESPEC_ATTENTION`` (``fp32`` or
+    ``bf16``) when set, else ``bf16`` with int8 block products and ``fp32`` otherwise.
+
+    ``bf16`` rounds q, k, v and the softmax weights to bf16 and sums their exact products
+    in fp32 (AVX512-BF16's ``vdpbf16ps`` where the CPU has it: half the instructions of
+    the fp32 path, whose FMAs bound a verification over a long cache). It is for the path
+    that is already inexact (int8 activations); the exact products keep fp32 attention
+    over fp16, the path tested against transformers."""
+    chosen = os.environ.get("CODESPEC_ATTENTION", "").strip().lower()
+    if chosen:
+        if chosen not in qstack.ATTENTION:
+            raise ValueError(f"CODESPEC_ATTENTION is one of {sorted(qstack.ATTENTION)}")
+        return chosen
+    return "bf16" if int8 else "fp32"
 
 
 def gguf_products() -> str:

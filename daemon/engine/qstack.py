@@ -4,7 +4,8 @@ built into the quantized kernel's library (:mod:`~codespec.daemon.engine.quant_g
 Owns the ctypes descriptors of a model's weights (GGUF block matrices, ``cpu_gemm``
 panels, norms, RoPE tables), the KV cache layout the stack reads and writes (per layer:
 K as fp16 tiles ``(KV, S_max / 16, D, 16)``, then V as fp16 rows ``(KV, S_max, Dp)``,
-Dp = D rounded up to 16; see :func:`cache`), and the two calls: :meth:`Stack.forward`
+Dp = D rounded up to 16; with bf16 attention the same bytes hold bf16 in pairs, see
+``csrc/stack.cpp``; see :func:`cache`), and the two calls: :meth:`Stack.forward`
 and :meth:`Stack.keep`. It knows nothing about files, tokenizers or the cache verbs'
 bookkeeping (the runner keeps the length).
 
@@ -14,7 +15,10 @@ Why one call: a decode step of a 30-layer model made ~15 torch / ctypes calls a 
 Exactness (the C++ file says how): every row of a forward equals, bit for bit, the
 one-token forward at its place (decode rows equal verify rows, chain or tree), on every
 ISA (``CODESPEC_QGEMM_ISA`` picks the stack's path as it does the products') and thread
-count. Attention products run in fp32 over the fp16 cache.
+count. Attention (:data:`ATTENTION`): ``fp32`` products over an fp16 cache, or ``bf16``:
+q, k, v and the softmax weights rounded to bf16, their products exact in fp32 and summed
+in fp32 in the order of AVX512-BF16's ``vdpbf16ps`` (that instruction where the CPU has
+it, half the instructions of the fp32 path; two FMAs elsewhere, the same numbers).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from codespec.daemon.engine import cpu_gemm, quant_gemm
 c_i32, c_i64, c_ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 PANEL_KINDS = {torch.float32: -1, torch.float16: -2, torch.bfloat16: -3}
 MAX_HEAD_DIM = 256
+ATTENTION = {"fp32": 0, "bf16": 1}  # the stack's Model::att
 
 
 class Mat(ctypes.Structure):
@@ -48,6 +53,7 @@ class Model(ctypes.Structure):
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "vocab")
     ]
     _fields_ += [("rope_len", c_i64), ("eps", ctypes.c_float), ("int8", c_i32)]
+    _fields_ += [("att", c_i32), ("pad", c_i32)]
     _fields_ += [("norm", c_ptr), ("cos", c_ptr), ("sin", c_ptr), ("embed", Mat), ("head", Mat)]
     _fields_ += [("layer", ctypes.POINTER(Layer)), ("gemm", c_ptr * 3)]
 
@@ -104,7 +110,8 @@ def cache_rows(max_length: int) -> int:
 
 
 def cache(layers: int, kv_heads: int, head_dim: int, max_length: int) -> torch.Tensor:
-    """A zeroed fp16 KV cache for the stack: ``(layers, KV * S_max * (D + Dp))``.
+    """A zeroed 16-bit KV cache for the stack: ``(layers, KV * S_max * (D + Dp))`` (typed
+    fp16; a bf16-attention stack keeps bf16 bits in it, in its own layout).
 
     An anonymous memory map, not zeros written: its pages are the system's zero page
     until the stack writes them, so a cache costs the memory its cached tokens fill (23
@@ -127,6 +134,8 @@ class Stack:
     fp32 RoPE tables (``sin`` with its first half negated, as the runner builds them).
     ``int8``: block products by ``cs_qgemm_i8`` (x rounded to int8 per 32, llama.cpp's
     way: faster, not exact; its rows too are independent of the other rows).
+    ``attention``: ``fp32`` (default) or ``bf16`` (:data:`ATTENTION`); it fixes the
+    cache's layout, so a cache serves the stacks of one attention only.
     """
 
     def __init__(self, cfg: dict[str, Any], layers: list[dict[str, Any]], norm, embed, head):
@@ -140,6 +149,11 @@ class Stack:
         d = int(cfg["head_dim"])
         if head_dim_padded(d) > MAX_HEAD_DIM or int(cfg["heads"]) % int(cfg["kv_heads"]):
             raise ValueError(f"the stack runs head dims up to {MAX_HEAD_DIM} and whole groups")
+        self.attention = str(cfg.get("attention", "fp32"))
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention is one of {sorted(ATTENTION)}, not {self.attention!r}")
+        if self.attention == "bf16" and d % 2:
+            raise ValueError("bf16 attention needs an even head dim")
         descs = (Layer * len(layers))()
         for i, spec in enumerate(layers):
             desc = descs[i]
@@ -173,6 +187,8 @@ class Stack:
             cos.shape[0],
             float(cfg["eps"]),
             int(bool(cfg.get("int8", False))),
+            ATTENTION[self.attention],
+            0,
             norm.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
@@ -238,7 +254,15 @@ class Stack:
         idx = torch.tensor(indices, dtype=torch.int64)
         s_max = kv.shape[1] // (m.kv_heads * (m.head_dim + head_dim_padded(m.head_dim)))
         self.lib.cs_lean_keep(
-            kv.data_ptr(), m.layers, m.kv_heads, s_max, m.head_dim, base, idx.data_ptr(), len(idx)
+            kv.data_ptr(),
+            m.layers,
+            m.kv_heads,
+            s_max,
+            m.head_dim,
+            base,
+            idx.data_ptr(),
+            len(idx),
+            m.att,
         )
 
 

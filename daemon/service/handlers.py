@@ -58,7 +58,9 @@ def cpu_kernel(engine: Any) -> str:
         mats = flat_weights([runner.lm_head_t, runner.layers])
         kinds = sorted({w.qtype for w in mats if isinstance(w, quant_gemm.QuantMatrix)})
         products = "int8 activations" if getattr(runner, "int8", False) else "exact"
-        return f"qgemm, GGUF blocks {'/'.join(kinds)}, {products} products"
+        stack = getattr(runner, "stack", None)
+        att = f", {stack.attention} attention" if stack is not None else ""
+        return f"qgemm, GGUF blocks {'/'.join(kinds)}, {products} products{att}"
     if getattr(runner, "kernels", False):
         head = getattr(runner, "lm_head_t", None)
         narrow = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}

@@ -1,7 +1,11 @@
 // The lean runner's decoder stack, written once over a 16-lane vector V (csrc/stack.cpp
 // includes this file once per ISA, inside that ISA's namespace and target options, after
 // defining V and its primitives: vzero vset vld vst vld_n vst_n vldh vadd vsub vmul vdiv
-// vfma vmax vmin vrint vexp2i vfirst vhsum vhmax, and f2h for one value).
+// vfma vmax vmin vrint vexp2i vfirst vhsum vhmax, f2h for one value, and for the bf16
+// attention vldbf2 (32 bf16 as their even and odd elements), vbfr (round 16 lanes to bf16,
+// store them, return their fp32 values), vftz (flush a denormal to zero where the FPU does
+// not) and FtzGuard (the FPU flushes denormal results while one lives); a namespace that
+// defines LS_BF16_NATIVE also has BfNative, the CPU's own bf16 dot products).
 //
 // Every result is a function of its own row only: sums run in a fixed order (per lane, in
 // order, then a fixed tree across the 16 lanes), exp is one polynomial, elementwise steps
@@ -71,10 +75,11 @@ inline void rope(const float* x, const float* c, const float* s, int64_t D, floa
 }
 
 // q heads: rotated and scaled into qs (T, NH, D); k, v: rotated / copied into the cache as
-// fp16 (K in tiles of 16 keys, V in rows of Dp), values clamped to fp16's range.
-// Tokens [t0, t1) (default: all).
-void rope_store(const Model& m, const Fwd& f, const float* qkv, float* qs, uint16_t* kc,
-                uint16_t* vc, int64_t t0 = 0, int64_t t1 = -1) {
+// fp16 (K in tiles of 16 keys, V in rows of Dp), values clamped to fp16's range. With bf16
+// attention (Model::att) q, k and v are rounded to bf16 (qh: q's bits; qs: their values)
+// and the cache holds them in k_at / v_at's pairs. Tokens [t0, t1) (default: all).
+void rope_store(const Model& m, const Fwd& f, const float* qkv, float* qs, uint16_t* qh,
+                uint16_t* kc, uint16_t* vc, int64_t t0 = 0, int64_t t1 = -1) {
   const int64_t D = m.head_dim, NH = m.heads, KV = m.kv_heads, Dp = pad16(D);
   const int64_t QW = (NH + 2 * KV) * D;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
@@ -87,13 +92,26 @@ void rope_store(const Model& m, const Fwd& f, const float* qkv, float* qs, uint1
       float* dst = qs + (t * NH + hq) * D;
       rope(row + hq * D, c, s, D, dst);
       for (int64_t d = 0; d < D; ++d) dst[d] = dst[d] * scale;
+      if (m.att == ATT_BF16) {  // q rounded to bf16: its value in qs, its bits in qh
+        uint16_t* qb = qh + (t * NH + hq) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          qb[d] = f2bf(dst[d]);
+          dst[d] = bf2f(qb[d]);
+        }
+      }
     }
     const int64_t r = f.past + t;
     for (int64_t h = 0; h < KV; ++h) {
       rope(row + (NH + h) * D, c, s, D, tmp);
+      const float* v = row + (NH + KV + h) * D;
+      if (m.att == ATT_BF16) {
+        for (int64_t d = 0; d < D; ++d) kc[k_at(f.s_max, D, h, r, d)] = f2bf(clamp_bf(tmp[d]));
+        uint16_t* vr = vc + v_at(f.s_max, Dp, h, r, 0);
+        for (int64_t d = 0; d < Dp; ++d) vr[2 * d] = d < D ? f2bf(clamp_bf(v[d])) : 0;
+        continue;
+      }
       uint16_t* kt = kc + h * f.s_max * D + (r / 16) * D * 16 + r % 16;
       for (int64_t d = 0; d < D; ++d) kt[16 * d] = f2h(clamp_h(tmp[d]));
-      const float* v = row + (NH + KV + h) * D;
       uint16_t* vr = vc + (h * f.s_max + r) * Dp;
       for (int64_t d = 0; d < Dp; ++d) vr[d] = d < D ? f2h(clamp_h(v[d])) : 0;
     }
@@ -197,6 +215,143 @@ void chunk_any(int R, const float* const* q, const int64_t* nvalid, int64_t nk, 
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// bf16 attention (Model::att == ATT_BF16): q, k, v and each chunk's softmax weights p are
+// bf16, so every product of two of them is exact in fp32, and each sum adds them in
+// vdpbf16ps's order: per pair of elements (d, d + 1) the odd one's product first, then the
+// even one's, each addition rounded to fp32 (to nearest even, a denormal result flushed
+// to zero). On a CPU with AVX512-BF16 one vdpbf16ps does a pair for 16 lanes (BfNative);
+// elsewhere two FMAs do (BfEmu): the same numbers bit for bit, at the fp32 path's cost.
+// Half the instructions of the fp32 FMAs where the CPU has it: a verification's attention
+// over a long cache is arithmetic-bound.
+struct BfEmu {
+  static constexpr bool native = false;
+};
+
+// Scores of R rows (q: bf16 values; qb: their bits) against TT tiles of 16 keys.
+template <class B, int R, int TT>
+inline void score_tiles_bf(const float* const* q, const uint16_t* const* qb, int64_t D,
+                           const uint16_t* const* kt, float* s, int64_t ld, Ahead& pf) {
+  V acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < TT; ++i) acc[r][i] = vzero();
+  for (int64_t d = 0; d < D; d += 2) {
+    pf.step(TT);  // TT tiles' pair of dims for 16 keys: TT lines
+    if constexpr (B::native) {
+      typename B::KP k[TT];
+      for (int i = 0; i < TT; ++i) k[i] = B::ld(kt[i] + 16 * d);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < TT; ++i) acc[r][i] = B::dot(acc[r][i], k[i], qb[r] + d);
+    } else {
+      for (int i = 0; i < TT; ++i) {
+        V even, odd;
+        vldbf2(kt[i] + 16 * d, even, odd);
+        for (int r = 0; r < R; ++r) acc[r][i] = vftz(vfma(odd, vset(q[r][d + 1]), acc[r][i]));
+        for (int r = 0; r < R; ++r) acc[r][i] = vftz(vfma(even, vset(q[r][d]), acc[r][i]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < TT; ++i) vst(s + r * ld + 16 * i, acc[r][i]);
+}
+
+// o[r][dc .. dc + 16 NC] = sum_j p[r][j] v_j over the pairs of keys j < nk (p: bf16 values,
+// pb: their bits; a key past a row's own has p = 0), in order.
+template <class B, int R, int NC>
+inline void weigh_keys_bf(const float* p, const uint16_t* pb, int64_t ld, int64_t nk,
+                          const uint16_t* const* vpair, int64_t dc, float* const* part,
+                          Ahead& pf) {
+  V o[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) o[r][c] = vzero();
+  for (int64_t j = 0; j < nk; j += 2) {
+    pf.step(NC);  // a pair of keys' NC x 16 values: NC lines
+    const uint16_t* vp = vpair[j / 2] + 2 * dc;
+    if constexpr (B::native) {
+      typename B::KP v[NC];
+      for (int c = 0; c < NC; ++c) v[c] = B::ld(vp + 32 * c);
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < NC; ++c) o[r][c] = B::dot(o[r][c], v[c], pb + r * ld + j);
+    } else {
+      for (int c = 0; c < NC; ++c) {
+        V even, odd;
+        vldbf2(vp + 32 * c, even, odd);
+        for (int r = 0; r < R; ++r) o[r][c] = vftz(vfma(odd, vset(p[r * ld + j + 1]), o[r][c]));
+        for (int r = 0; r < R; ++r) o[r][c] = vftz(vfma(even, vset(p[r * ld + j]), o[r][c]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) vst(part[r] + 2 + dc + 16 * c, o[r][c]);
+}
+
+// 16 lanes rounded to bf16 (to nearest even, a denormal flushed to zero, a NaN quieted),
+// their bits stored at dst; returns their fp32 values.
+template <class B>
+inline V round_bf(V a, uint16_t* dst) {
+  if constexpr (B::native) {
+    return B::round(a, dst);
+  } else {
+    return vbfr(a, dst);
+  }
+}
+
+// chunk_rows over the bf16 cache: the chunk's weights p are rounded to bf16 before they
+// weigh the values, and its sum l adds the rounded ones.
+template <class B, int R>
+void chunk_rows_bf(const float* const* q, const uint16_t* const* qb, const int64_t* nvalid,
+                   int64_t nk, int64_t D, int64_t Dp, const uint16_t* const* ktile,
+                   const uint16_t* const* vpair, float* const* part, Ahead& pf) {
+  alignas(64) float s[R * CHUNK];
+  alignas(64) uint16_t sb[R * CHUNK];
+  const int64_t ntile = (nk + 15) / 16;
+  constexpr int TT = score_tiles_for(R);
+  int64_t i = 0;
+  for (; i + TT <= ntile; i += TT)
+    score_tiles_bf<B, R, TT>(q, qb, D, ktile + i, s + 16 * i, CHUNK, pf);
+  for (; i < ntile; ++i) score_tiles_bf<B, R, 1>(q, qb, D, ktile + i, s + 16 * i, CHUNK, pf);
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * CHUNK;
+    V mx = vset(-INFINITY);
+    for (int64_t t = 0; t < ntile; ++t)
+      mx = vmax(mx, vfirst(vld(sr + 16 * t), nvalid[r] - 16 * t, vset(-INFINITY)));
+    const float m = vhmax(mx);
+    V l = vzero();
+    for (int64_t t = 0; t < ntile; ++t) {
+      const V e = vfirst(vexp(vsub(vld(sr + 16 * t), vset(m))), nvalid[r] - 16 * t, vzero());
+      const V p = round_bf<B>(e, sb + r * CHUNK + 16 * t);
+      vst(sr + 16 * t, p);
+      l = vadd(l, p);
+    }
+    part[r][0] = m;
+    part[r][1] = vhsum(l);
+  }
+  constexpr int NC = value_chunks_for(R);
+  for (int64_t dc = 0; dc < Dp;) {
+    if ((Dp - dc) / 16 >= NC) {
+      weigh_keys_bf<B, R, NC>(s, sb, CHUNK, nk, vpair, dc, part, pf);
+      dc += 16 * NC;
+    } else {
+      weigh_keys_bf<B, R, 1>(s, sb, CHUNK, nk, vpair, dc, part, pf);
+      dc += 16;
+    }
+  }
+}
+
+template <class B>
+void chunk_any_bf(int R, const float* const* q, const uint16_t* const* qb, const int64_t* nvalid,
+                  int64_t nk, int64_t D, int64_t Dp, const uint16_t* const* kt,
+                  const uint16_t* const* vp, float* const* p, Ahead& pf) {
+  switch (R) {
+    case 1: chunk_rows_bf<B, 1>(q, qb, nvalid, nk, D, Dp, kt, vp, p, pf); break;
+    case 2: chunk_rows_bf<B, ATT_ROWS < 2 ? ATT_ROWS : 2>(q, qb, nvalid, nk, D, Dp, kt, vp, p, pf); break;
+    case 3: chunk_rows_bf<B, ATT_ROWS < 3 ? ATT_ROWS : 3>(q, qb, nvalid, nk, D, Dp, kt, vp, p, pf); break;
+    case 4: chunk_rows_bf<B, ATT_ROWS < 4 ? ATT_ROWS : 4>(q, qb, nvalid, nk, D, Dp, kt, vp, p, pf); break;
+    case 5: chunk_rows_bf<B, ATT_ROWS < 5 ? ATT_ROWS : 5>(q, qb, nvalid, nk, D, Dp, kt, vp, p, pf); break;
+    default: chunk_rows_bf<B, ATT_ROWS>(q, qb, nvalid, nk, D, Dp, kt, vp, p, pf); break;
+  }
+}
+
 // The key sources of chunk c for head h: tiles of K and rows of V in list order. Shared
 // tasks read the cache as it lies; a tree token's chunk past the cache gathers its
 // ancestors' keys (tiles holding positions >= past) into gbuf.
@@ -234,14 +389,75 @@ void chunk_sources(const Attn& A, int64_t h, const Task& tk, const uint16_t** kt
   }
 }
 
+// One chunk for R rows on the cache's path: fp32 over fp16, or bf16 (the CPU's own dot
+// products where it has them and A.native asks for them).
+inline void chunk_call(const Attn& A, int R, const float* const* q, const uint16_t* const* qb,
+                       const int64_t* nv, int64_t nk, const uint16_t* const* kt,
+                       const uint16_t* const* vr, float* const* p, Ahead& pf) {
+  if (!A.bf16) {
+    chunk_any(R, q, nv, nk, A.D, A.Dp, kt, vr, p, pf);
+    return;
+  }
+#ifdef LS_BF16_NATIVE
+  if (A.native) {
+    chunk_any_bf<BfNative>(R, q, qb, nv, nk, A.D, A.Dp, kt, vr, p, pf);
+    return;
+  }
+#endif
+  chunk_any_bf<BfEmu>(R, q, qb, nv, nk, A.D, A.Dp, kt, vr, p, pf);
+}
+
+// chunk_sources for the bf16 cache: K tiles, and V as pairs of keys (vpair[j]: keys 2j and
+// 2j + 1 of the chunk's list, Dp x 2 values). A tree token's chunk past the cache gathers
+// its ancestors' keys into gk (tiles) and gv (pairs holding a position >= past).
+void chunk_sources_bf(const Attn& A, int64_t h, const Task& tk, const uint16_t** ktile,
+                      const uint16_t** vpair, uint16_t* gk, uint16_t* gv) {
+  const int64_t D = A.D, Dp = A.Dp, c0 = tk.c * CHUNK;
+  const uint16_t* kh = A.kc + k_at(A.s_max, D, h, 0, 0);
+  const uint16_t* vh = A.vc + v_at(A.s_max, Dp, h, 0, 0);
+  for (int64_t i = 0; i < CHUNK / 16; ++i) ktile[i] = kh + k_at(A.s_max, D, 0, c0 + 16 * i, 0);
+  for (int64_t j = 0; j < CHUNK / 2; ++j) vpair[j] = vh + v_at(A.s_max, Dp, 0, c0 + 2 * j, 0);
+  if (!tk.gathered) return;
+  const int64_t t = tk.t0, L = A.len[t];
+  const int64_t* vis = A.vis + A.vis_off[t];
+  auto row_of = [&](int64_t p) { return p >= L ? -1 : p < A.past ? p : A.past + vis[p - A.past]; };
+  for (int64_t i = 0; i < CHUNK / 16; ++i) {
+    const int64_t p0 = c0 + 16 * i;
+    if (p0 + 16 <= A.past) continue;
+    uint16_t* g = gk + i * D * 16;
+    for (int64_t lane = 0; lane < 16; ++lane) {
+      const int64_t r = row_of(p0 + lane);
+      for (int64_t d = 0; d < D; ++d)
+        g[k_at(0, D, 0, lane, d)] = r < 0 ? 0 : kh[k_at(A.s_max, D, 0, r, d)];
+    }
+    ktile[i] = g;
+  }
+  for (int64_t j = 0; j < CHUNK / 2; ++j) {
+    const int64_t p0 = c0 + 2 * j;
+    if (p0 + 2 <= A.past) continue;
+    uint16_t* g = gv + j * Dp * 2;
+    for (int64_t e = 0; e < 2; ++e) {
+      const int64_t r = row_of(p0 + e);
+      for (int64_t d = 0; d < Dp; ++d) g[2 * d + e] = r < 0 ? 0 : vh[v_at(A.s_max, Dp, 0, r, d)];
+    }
+    vpair[j] = g;
+  }
+}
+
 void run_task(const Attn& A, int64_t h, const Task& tk) {
   thread_local std::vector<uint16_t> gbuf;
-  if (tk.gathered && static_cast<int64_t>(gbuf.size()) < CHUNK * A.D) gbuf.resize(CHUNK * A.D);
+  const int64_t gsize = CHUNK * (A.D + (A.bf16 ? A.Dp : 0));
+  if (tk.gathered && static_cast<int64_t>(gbuf.size()) < gsize) gbuf.resize(gsize);
   const uint16_t* ktile[CHUNK / 16];
-  const uint16_t* vrow[CHUNK];
-  chunk_sources(A, h, tk, ktile, vrow, gbuf.data());
+  const uint16_t* vrow[CHUNK];  // bf16: the first CHUNK / 2 are pairs of rows
+  if (A.bf16)
+    chunk_sources_bf(A, h, tk, ktile, vrow, gbuf.data(), gbuf.data() + CHUNK * A.D);
+  else
+    chunk_sources(A, h, tk, ktile, vrow, gbuf.data());
+  FtzGuard ftz(A.bf16 && !A.native);  // the FMAs that stand in for vdpbf16ps flush as it does
   const int64_t c0 = tk.c * CHUNK;
   const float* q[ATT_ROWS];
+  const uint16_t* qb[ATT_ROWS];
   float* p[ATT_ROWS];
   int64_t nv[ATT_ROWS];
   int R = 0;
@@ -260,7 +476,8 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
       if (eligible(A, t, tk) && keys_of(t) > nkeys) nkeys = keys_of(t);
     const char* k0 = reinterpret_cast<const char*>(ktile[0]);
     const char* v0 = reinterpret_cast<const char*>(vrow[0]);
-    pf = {k0, k0 + ((nkeys + 15) / 16) * A.D * 16 * 2, v0, v0 + nkeys * A.Dp * 2};
+    const int64_t vkeys = A.bf16 ? (nkeys + 1) / 2 * 2 : nkeys;  // bf16: whole pairs
+    pf = {k0, k0 + ((nkeys + 15) / 16) * A.D * 16 * 2, v0, v0 + vkeys * A.Dp * 2};
     pf.step(static_cast<int>(ahead));  // the first `ahead` lines at once, then in step
   }
   for (int64_t t = tk.t0; t < tk.t1; ++t) {
@@ -269,18 +486,48 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
     for (int64_t g = 0; g < A.G; ++g) {
       const int64_t row = (h * A.T + t) * A.G + g;
       q[R] = A.qs + (t * A.NH + h * A.G + g) * A.D;
+      qb[R] = A.qh + (t * A.NH + h * A.G + g) * A.D;
       p[R] = A.part + (row * A.nchunk + tk.c) * (A.Dp + 2);
       nv[R] = n;
       nk = n > nk ? n : nk;
       if (++R == ATT_ROWS) {
-        chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p, pf);
+        chunk_call(A, R, q, qb, nv, nk, ktile, vrow, p, pf);
         pf = Ahead{};
         R = 0;
         nk = 0;
       }
     }
   }
-  if (R) chunk_any(R, q, nv, nk, A.D, A.Dp, ktile, vrow, p, pf);
+  if (R) chunk_call(A, R, q, qb, nv, nk, ktile, vrow, p, pf);
+}
+
+// The bf16 path as tests see it (cs_lean_bf16_probe): x (n values, a multiple of 16)
+// rounded as the weights p are (bits to xb), and the 16 scores of one tile of keys kt
+// (pairs x 16 lanes x 2 bf16) against q (2 x pairs bf16 bits) to s.
+template <class B>
+void bf16_probe_with(const float* x, int64_t n, uint16_t* xb, const uint16_t* kt,
+                     const uint16_t* qb, int64_t pairs, float* s) {
+  for (int64_t i = 0; i + 16 <= n; i += 16) round_bf<B>(vld(x + i), xb + i);
+  std::vector<float> qf(2 * pairs);
+  for (int64_t i = 0; i < 2 * pairs; ++i) qf[i] = bf2f(qb[i]);
+  const float* q[1] = {qf.data()};
+  const uint16_t* qp[1] = {qb};
+  const uint16_t* k[1] = {kt};
+  Ahead pf;
+  score_tiles_bf<B, 1, 1>(q, qp, 2 * pairs, k, s, 16, pf);
+}
+
+void bf16_probe(bool native, const float* x, int64_t n, uint16_t* xb, const uint16_t* kt,
+                const uint16_t* qb, int64_t pairs, float* s) {
+#ifdef LS_BF16_NATIVE
+  if (native) {
+    bf16_probe_with<BfNative>(x, n, xb, kt, qb, pairs, s);
+    return;
+  }
+#endif
+  (void)native;
+  FtzGuard ftz(true);
+  bf16_probe_with<BfEmu>(x, n, xb, kt, qb, pairs, s);
 }
 
 // Attention row `row` = (h, t, g) (KV head, token, query head of the group): its chunks
@@ -332,8 +579,8 @@ int forward(const Model& m, const Fwd& f) {
     uint16_t* vc = kc + KV * f.s_max * D;  // (KV, S_max, Dp)
     rmsnorm(b.x.data(), T, H, H, L.ln1, m.eps, b.a.data(), H);
     if (!products(m, f, L.qkv, L.nqkv, T, b.a.data(), H, b.qkv.data(), QW, nullptr)) return -1;
-    rope_store(m, f, b.qkv.data(), b.qs.data(), kc, vc);
-    const Attn A = plan.attn(m, f, kc, vc, b.qs.data(), b.o.data(), b.part.data());
+    rope_store(m, f, b.qkv.data(), b.qs.data(), b.qh.data(), kc, vc);
+    const Attn A = plan.attn(m, f, kc, vc, b.qs.data(), b.qh.data(), b.o.data(), b.part.data());
     attention(A, plan.tasks, f.threads);
     if (!products(m, f, &L.o, 1, T, b.o.data(), NH * D, b.x.data(), H, b.x.data())) return -1;
     rmsnorm(b.x.data(), T, H, H, L.ln2, m.eps, b.a.data(), H);
@@ -429,9 +676,9 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       bar.wait();
       mats(L.qkv, L.nqkv, T, b.qkv.data(), QW, nullptr);
       bar.wait();
-      rope_store(m, f, b.qkv.data(), b.qs.data(), kc, vc, r0, r1);
+      rope_store(m, f, b.qkv.data(), b.qs.data(), b.qh.data(), kc, vc, r0, r1);
       bar.wait();
-      const Attn A = plan.attn(m, f, kc, vc, b.qs.data(), b.o.data(), b.part.data());
+      const Attn A = plan.attn(m, f, kc, vc, b.qs.data(), b.qh.data(), b.o.data(), b.part.data());
       for (int64_t i = next.fetch_add(1); i < ntask; i = next.fetch_add(1)) {
         const int64_t nt = ntask / KV;
         run_task(A, i / nt, plan.tasks[i % nt]);

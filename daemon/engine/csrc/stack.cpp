@@ -12,6 +12,9 @@
 // KV cache, per layer: K as (KV, S_max / 16, D, 16) fp16 tiles (16 keys side by side, so a
 // score tile is D broadcast FMAs) then V as (KV, S_max, Dp) fp16 rows (Dp: D rounded up
 // to 16). Values are clamped to fp16's range before rounding, so the cache holds no inf.
+// With bf16 attention (Model::att, ATT_BF16) the same bytes hold bf16 in pairs, what one
+// vdpbf16ps lane reads: K as (KV, S_max / 16, D / 2, 16, 2) (a tile's 16 keys, two dims
+// each) and V as (KV, S_max / 2, Dp, 2) (two keys' values of each dim); see k_at / v_at.
 //
 // Attention: each query row attends to its key list, the cached keys then the new keys it
 // sees (itself and its ancestors, in order). The list is cut into chunks of CHUNK keys;
@@ -80,6 +83,21 @@ constexpr int64_t TOKENS = 8;     // tokens per shared attention task
 std::atomic<int64_t> g_att_ahead{[] {
   const char* e = std::getenv("CODESPEC_ATT_AHEAD");
   return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{64};
+}()};
+
+// Whether bf16 attention uses the CPU's own bf16 dot products (AVX512-BF16) where it has
+// them; else FMAs give the same numbers (CODESPEC_BF16_DOTS=emulate, or
+// cs_lean_bf16_native(0), for comparisons and tests).
+bool bf16_cpu() {
+#ifdef LS_X86
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+std::atomic<int32_t> g_bf16_native{[] {
+  const char* e = std::getenv("CODESPEC_BF16_DOTS");
+  return bf16_cpu() && !(e && strcmp(e, "emulate") == 0) ? 1 : 0;
 }()};
 
 // Two threads' shares of a forward's products: thread 0 takes this fraction of each
@@ -158,6 +176,8 @@ struct Model {
   int64_t layers, hidden, heads, kv_heads, head_dim, inter, vocab, rope_len;
   float eps;
   int32_t int8;  // block products the llama.cpp way (cs_qgemm_i8: x rounded to int8)
+  int32_t att;   // ATT_FP32 (fp16 cache) or ATT_BF16 (bf16 cache, bf16 dot products)
+  int32_t pad;
   const float* norm;
   const float* cos;  // (rope_len, D)
   const float* sin;  // (rope_len, D), the first half negated
@@ -194,6 +214,7 @@ struct Attn {
   const uint16_t* kc;
   const uint16_t* vc;
   const float* qs;
+  const uint16_t* qh;  // bf16: q's bits (qs: their values)
   float* out;
   float* part;
   int64_t s_max, D, Dp, G, NH, KV, T, past, nchunk;
@@ -201,11 +222,41 @@ struct Attn {
   const uint8_t* contig;
   const int64_t* vis;
   const int64_t* vis_off;
+  int32_t bf16, native;  // the bf16 cache; with the CPU's own bf16 dot products
 };
 
 inline int64_t pad16(int64_t d) { return (d + 15) / 16 * 16; }
 
 inline float clamp_h(float x) { return x > 65504.0f ? 65504.0f : x < -65504.0f ? -65504.0f : x; }
+
+constexpr int32_t ATT_FP32 = 0, ATT_BF16 = 1;  // Model::att
+constexpr float BF16_MAX = 3.38953139e38f;      // the largest finite bf16 (0x7f7f)
+inline float clamp_bf(float x) { return x > BF16_MAX ? BF16_MAX : x < -BF16_MAX ? -BF16_MAX : x; }
+
+// fp32 -> bf16, round to nearest even; a denormal becomes a zero of its sign and a NaN a
+// quiet NaN (what vcvtneps2bf16 gives).
+inline uint16_t f2bf(float v) {
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  if ((u & 0x7f800000u) == 0) return static_cast<uint16_t>((u >> 16) & 0x8000u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline float bf2f(uint16_t h) {  // exact
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float v;
+  memcpy(&v, &u, 4);
+  return v;
+}
+
+// Where key r's dim d lies in a layer's bf16 cache, K part (from the layer's start) and V
+// part (from its V start), head h: K tiles of 16 keys with two dims a lane, V pairs of keys.
+inline int64_t k_at(int64_t s_max, int64_t D, int64_t h, int64_t r, int64_t d) {
+  return h * s_max * D + (r / 16) * D * 16 + (d / 2) * 32 + (r % 16) * 2 + (d & 1);
+}
+inline int64_t v_at(int64_t s_max, int64_t Dp, int64_t h, int64_t r, int64_t d) {
+  return h * s_max * Dp + (r / 2) * Dp * 2 + d * 2 + (r & 1);
+}
 
 // The parent row of row j > 0 (its deepest ancestor; j - 1 in a chain).
 inline int64_t parent_row(const Fwd& f, int64_t j) {
@@ -264,12 +315,15 @@ struct Plan {
   std::vector<Task> tasks;
   int64_t nchunk = 0;
 
+  int32_t native = 0;  // g_bf16_native when the forward began
+
   Attn attn(const Model& m, const Fwd& f, const uint16_t* kc, const uint16_t* vc,
-            const float* qs, float* out, float* part) const {
+            const float* qs, const uint16_t* qh, float* out, float* part) const {
     const int64_t D = m.head_dim;
-    return Attn{kc, vc, qs, out, part, f.s_max, D, pad16(D), m.heads / m.kv_heads, m.heads,
-                m.kv_heads, f.T, f.past, nchunk, len.data(), contig.data(), vis.data(),
-                vis_off.data()};
+    const int32_t bf16 = m.att == ATT_BF16 ? 1 : 0;
+    return Attn{kc, vc, qs, qh, out, part, f.s_max, D, pad16(D), m.heads / m.kv_heads,
+                m.heads, m.kv_heads, f.T, f.past, nchunk, len.data(), contig.data(),
+                vis.data(), vis_off.data(), bf16, bf16 && native ? 1 : 0};
   }
 };
 
@@ -296,6 +350,7 @@ bool make_plan(const Model& m, const Fwd& f, Plan& p) {
     most = p.len[t] > most ? p.len[t] : most;
   }
   p.nchunk = (most + CHUNK - 1) / CHUNK;
+  p.native = g_bf16_native.load(std::memory_order_relaxed);
   p.tasks.clear();
   for (int64_t c = 0; c < p.nchunk; ++c) {
     const int64_t c0 = c * CHUNK;
@@ -320,6 +375,7 @@ bool make_plan(const Model& m, const Fwd& f, Plan& p) {
 
 struct Bufs {
   std::vector<float> x, a, qkv, qs, o, gu, act, part;
+  std::vector<uint16_t> qh;
 };
 
 Bufs& bufs(int64_t T, const Model& m) {
@@ -329,6 +385,7 @@ Bufs& bufs(int64_t T, const Model& m) {
   b.a.resize(T * H);
   b.qkv.resize(T * (NH + 2 * KV) * D);
   b.qs.resize(T * NH * D);
+  b.qh.resize(m.att == ATT_BF16 ? T * NH * D : 0);
   b.o.resize(T * NH * D);
   b.gu.resize(T * 2 * m.inter);
   b.act.resize(T * m.inter);
@@ -693,6 +750,28 @@ inline float vhmax(V a) {
   return s[0] > s[1] ? s[0] : s[1];
 }
 inline uint16_t f2h(float x) { return f2h_soft(x); }
+inline void vldbf2(const uint16_t* p, V& even, V& odd) {
+  for (int i = 0; i < 16; ++i) {
+    even.v[i] = bf2f(p[2 * i]);
+    odd.v[i] = bf2f(p[2 * i + 1]);
+  }
+}
+inline V vbfr(V a, uint16_t* dst) {
+  V r;
+  for (int i = 0; i < 16; ++i) {
+    dst[i] = f2bf(a.v[i]);
+    r.v[i] = bf2f(dst[i]);
+  }
+  return r;
+}
+inline V vftz(V a) {  // here by hand: no MXCSR is assumed (FtzGuard does nothing)
+  for (int i = 0; i < 16; ++i)
+    if (std::fabs(a.v[i]) < 1.17549435e-38f) a.v[i] = std::copysign(0.0f, a.v[i]);
+  return a;
+}
+struct FtzGuard {
+  explicit FtzGuard(bool) {}
+};
 // Attention tiles (lean_ops.inc.cpp): rows per kernel call, key tiles of 16 per score
 // pass and value columns / 16 per weighing pass, for R rows.
 constexpr int ATT_ROWS = 4;
@@ -705,6 +784,26 @@ constexpr int value_chunks_for(int) { return 2; }
 }  // namespace
 
 #ifdef LS_X86
+namespace {
+// While one lives (on): MXCSR flushes denormal results to zero and reads denormal inputs
+// as zero, as vdpbf16ps does whatever MXCSR says (the FMAs standing in for it, BfEmu).
+struct MxcsrFtz {
+  unsigned int saved = 0;
+  bool on;
+  explicit MxcsrFtz(bool o) : on(o) {
+    if (on) {
+      saved = _mm_getcsr();
+      _mm_setcsr(saved | 0x8040u);  // FTZ | DAZ
+    }
+  }
+  ~MxcsrFtz() {
+    if (on) _mm_setcsr(saved);
+  }
+  MxcsrFtz(const MxcsrFtz&) = delete;
+  MxcsrFtz& operator=(const MxcsrFtz&) = delete;
+};
+}  // namespace
+
 // ---------------------------------------------------------------------------------------
 // AVX2 + FMA + F16C: V is two ymm (lanes 0-7, 8-15).
 #pragma GCC push_options
@@ -774,6 +873,37 @@ inline float vhmax(V a) {
   return _mm_cvtss_f32(_mm_max_ss(w, _mm_shuffle_ps(w, w, 1)));
 }
 inline uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+inline void vldbf2(const uint16_t* p, V& even, V& odd) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  even = {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+  odd = {_mm256_castsi256_ps(_mm256_and_si256(a, hi)),
+         _mm256_castsi256_ps(_mm256_and_si256(b, hi))};
+}
+inline __m256i bf_bits8(__m256 x) {  // f2bf of 8 lanes, in each lane's low 16 bits
+  const __m256i u = _mm256_castps_si256(x), top = _mm256_srli_epi32(u, 16);
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+  const __m256i den =
+      _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)), _mm256_setzero_si256());
+  const __m256i odd = _mm256_and_si256(top, _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+  return _mm256_blendv_epi8(r, _mm256_and_si256(top, _mm256_set1_epi32(0x8000)), den);
+}
+inline V vbfr(V a, uint16_t* dst) {
+  const __m256i lo = bf_bits8(a.lo), hi = bf_bits8(a.hi);
+  // packus: per 128-bit half lo0-3 hi0-3 | lo4-7 hi4-7; the permute puts them in order
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+inline V vftz(V a) { return a; }  // MXCSR does it (FtzGuard)
+using FtzGuard = MxcsrFtz;
 // Attention tiles: R rows x n tiles (or value chunks) take R * n accumulators and n loaded
 // operands, two ymm each, beside one broadcast: n = 7 / (R + 1) keeps them in the 16 ymm
 // (R 4 x 2 tiles spilled a third of the kernel's time to the stack). Up to 6 rows a call
@@ -792,7 +922,7 @@ constexpr int value_chunks_for(int R) { return fit_ymm(R, 4); }
 // ---------------------------------------------------------------------------------------
 // AVX-512 (F, BW, VL, DQ): V is one zmm.
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 namespace {
 namespace z5 {
 
@@ -839,6 +969,45 @@ inline float vhmax(V a) {
   return _mm_cvtss_f32(_mm_max_ss(w, _mm_shuffle_ps(w, w, 1)));
 }
 inline uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+inline void vldbf2(const uint16_t* p, V& even, V& odd) {
+  const __m512i a = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline V vbfr(V a, uint16_t* dst) {
+  const __m512i u = _mm512_castps_si512(a), top = _mm512_srli_epi32(u, 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                              _mm512_set1_epi32(0x7f800000));
+  const __mmask16 den = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(top, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
+  r = _mm512_mask_mov_epi32(r, den, _mm512_and_si512(top, _mm512_set1_epi32(0x8000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+}
+inline V vftz(V a) { return a; }  // MXCSR does it (FtzGuard)
+using FtzGuard = MxcsrFtz;
+// The CPU's own bf16 dot products (AVX512-BF16; chosen at run time: g_bf16_native).
+#define LS_BF16_NATIVE 1
+struct BfNative {
+  static constexpr bool native = true;
+  using KP = __m512bh;
+  static inline KP ld(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  // acc + the 16 lanes' pairs times the pair at b (bits of two bf16)
+  static inline V dot(V acc, KP k, const uint16_t* b) {
+    uint32_t w;
+    memcpy(&w, b, 4);
+    return _mm512_dpbf16_ps(acc, k, (__m512bh)_mm512_set1_epi32(static_cast<int>(w)));
+  }
+  static inline V round(V a, uint16_t* dst) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(a);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
 // Attention tiles in 32 zmm: up to 6 rows x 4 accumulators (6 x 4 score tiles or value
 // chunks: 24 accumulators, 4 operands, a broadcast). Each fp16 -> fp32 widening (two
 // uops on the FMA ports) serves 6 rows instead of 4: measured on a Sapphire Rapids VM, 2
@@ -850,6 +1019,7 @@ constexpr int score_tiles_for(int R) { return R <= 2 ? 4 : R <= 4 ? 2 : 4; }
 constexpr int value_chunks_for(int) { return 4; }
 
 #include "lean_ops.inc.cpp"
+#undef LS_BF16_NATIVE
 
 }  // namespace z5
 }  // namespace
@@ -868,6 +1038,34 @@ int64_t cs_lean_att_ahead(int64_t n) { return g_att_ahead.exchange(n); }
 // (see g_split); each returns the old value.
 double cs_lean_split(double f) { return g_split.exchange(f < 0.0 ? 0.0 : f > 1.0 ? 1.0 : f); }
 int cs_lean_split_adapt(int on) { return g_split_adapt.exchange(on ? 1 : 0); }
+
+// Whether bf16 attention uses the CPU's own bf16 dot products (g_bf16_native): on 1 (where
+// the CPU has them) or 0; -1 leaves it. Returns the old value.
+int32_t cs_lean_bf16_native(int32_t on) {
+  if (on < 0) return g_bf16_native.load();
+  return g_bf16_native.exchange(on && bf16_cpu() ? 1 : 0);
+}
+
+// For tests: the bf16 attention's rounding of n values (a multiple of 16) and one tile's
+// 16 scores (lean_ops.inc.cpp's bf16_probe) on the path of `isa`, with the CPU's own bf16
+// dot products (native) or FMAs. -3: an ISA this CPU lacks (native: AVX512-BF16).
+int cs_lean_bf16_probe(int isa, int native, const float* x, int64_t n, uint16_t* xb,
+                       const uint16_t* kt, const uint16_t* qb, int64_t pairs, float* s) {
+  if (!cs_q_isa_ok(isa)) return -3;
+  if (native && (!bf16_cpu() || isa < 2)) return -3;
+#ifdef LS_X86
+  if (isa >= 2) {
+    z5::bf16_probe(native != 0, x, n, xb, kt, qb, pairs, s);
+    return 0;
+  }
+  if (isa == 1) {
+    z2::bf16_probe(false, x, n, xb, kt, qb, pairs, s);
+    return 0;
+  }
+#endif
+  zs::bf16_probe(false, x, n, xb, kt, qb, pairs, s);
+  return 0;
+}
 
 // Forwards run as one parallel region so far (team_ok), for tests and diagnostics.
 int64_t cs_lean_team_forwards() { return spin_policy().forwards.load(); }
@@ -900,6 +1098,7 @@ void cs_lean_spin_reset() {
 // later one or not itself), -3 an ISA this CPU lacks or an unsupported head dimension.
 int cs_lean_forward(const Model* m, const Fwd* f) {
   if (pad16(m->head_dim) > MAX_DP || !cs_q_isa_ok(f->isa)) return -3;
+  if (m->att == ATT_BF16 && m->head_dim % 2) return -3;  // its cache holds pairs of dims
   // CODESPEC_LEAN_REGIONS=per-product: a region per product as for the other weights (for
   // comparisons; the numbers are the same)
   const char* regions = std::getenv("CODESPEC_LEAN_REGIONS");
@@ -929,9 +1128,9 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
 }
 
 // After a forward that appended rows base.., keep rows base + idx[j] (increasing) as rows
-// base + j, in every layer's K tiles and V rows.
+// base + j, in every layer's K tiles and V rows (att: the cache's layout, Model::att).
 void cs_lean_keep(uint16_t* kv, int64_t layers, int64_t KV, int64_t s_max, int64_t D,
-                  int64_t base, const int64_t* idx, int64_t n) {
+                  int64_t base, const int64_t* idx, int64_t n, int32_t att) {
   const int64_t Dp = pad16(D);
   for (int64_t l = 0; l < layers; ++l) {
     for (int64_t h = 0; h < KV; ++h) {
@@ -940,6 +1139,12 @@ void cs_lean_keep(uint16_t* kv, int64_t layers, int64_t KV, int64_t s_max, int64
       for (int64_t j = 0; j < n; ++j) {
         const int64_t src = base + idx[j], dst = base + j;
         if (src == dst) continue;
+        if (att == ATT_BF16) {
+          for (int64_t d = 0; d < D; ++d) kc[k_at(s_max, D, 0, dst, d)] = kc[k_at(s_max, D, 0, src, d)];
+          for (int64_t d = 0; d < Dp; ++d)
+            vc[v_at(s_max, Dp, 0, dst, d)] = vc[v_at(s_max, Dp, 0, src, d)];
+          continue;
+        }
         for (int64_t d = 0; d < D; ++d)
           kc[(dst / 16) * D * 16 + 16 * d + dst % 16] = kc[(src / 16) * D * 16 + 16 * d + src % 16];
         memcpy(vc + dst * Dp, vc + src * Dp, Dp * sizeof(uint16_t));
