@@ -30,7 +30,7 @@ gguf = pytest.importorskip("gguf")
 
 from ggufs import write_gguf  # noqa: E402
 
-from codespec.daemon.engine import gguf_weights, quant_gemm  # noqa: E402
+from codespec.daemon.engine import gguf_weights, qstack, quant_gemm  # noqa: E402
 from codespec.daemon.engine.engine import HEAD_FIRST_ROWS  # noqa: E402
 from codespec.daemon.engine.lean import (  # noqa: E402
     LeanRunner,
@@ -334,10 +334,15 @@ def test_bf16_attention_on_the_cpus_own_dot_products_equals_the_fmas(model_file:
 
 
 def test_attention_follows_the_products_unless_asked(monkeypatch) -> None:
-    """bf16 attention with int8 products (the inexact path), fp32 with the exact ones;
-    CODESPEC_ATTENTION chooses, a bad name is an error naming the choices."""
+    """bf16 attention with int8 products (the inexact path) where the CPU has its own bf16
+    dot products, fp32 with the exact ones or without them; CODESPEC_ATTENTION chooses, a
+    bad name is an error naming the choices."""
     monkeypatch.delenv("CODESPEC_ATTENTION", raising=False)
-    assert attention_for(True) == "bf16" and attention_for(False) == "fp32"
+    assert attention_for(True) == ("bf16" if qstack.native_bf16() else "fp32")
+    assert attention_for(False) == "fp32"
+    monkeypatch.setenv(quant_gemm.ISA_ENV, "scalar")  # FMAs would stand in: not chosen
+    assert attention_for(True) == "fp32"
+    monkeypatch.delenv(quant_gemm.ISA_ENV)
     monkeypatch.setenv("CODESPEC_ATTENTION", "fp32")
     assert attention_for(True) == "fp32"
     monkeypatch.setenv("CODESPEC_ATTENTION", "BF16")

@@ -5,8 +5,9 @@ Runners over the same model (``--runners``, those that apply):
 - ``gguf``: the lean runner on the GGUF's own blocks, exact products
   (``CODESPEC_GGUF_PRODUCTS=exact``);
 - ``gguf-i8``: the same with x rounded to int8 for the block products (llama.cpp's way;
-  not bit-equal to ``gguf``) and bf16 attention over a bf16 cache: what the engine loads
-  on a CPU with AVX2 or AVX-512 VNNI for a model made from a GGUF;
+  not bit-equal to ``gguf``) and the attention ``lean.attention_for`` picks (bf16 where
+  the CPU has AVX512-BF16): what the engine loads on a CPU with AVX2 or AVX-512 VNNI for a
+  model made from a GGUF;
 - ``gguf-i8-fp32att``: ``gguf-i8`` with fp32 attention over an fp16 cache (what it ran
   before bf16 attention), for comparisons;
 - ``fp16``: the lean runner on the folder's safetensors as 16-bit ``cpu_gemm`` panels

@@ -16,9 +16,10 @@ Two ways to run, chosen at load:
   through ``cpu_gemm`` panels (fp32 / fp16 / bf16: an fp32 checkpoint, or
   :meth:`LeanRunner.half_panels`) or GGUF blocks (``quant_gemm``), the whole decoder stack
   is one call per forward, over a 16-bit KV cache: fp16 with attention products in fp32,
-  or, with int8 block products (the fast, inexact path), bf16 with bf16 attention
-  (:func:`attention_for`). Every row equals, bit for bit, the one-token forward at its
-  place (verify rows equal decode rows, chains and trees), on every ISA and thread count.
+  or, with int8 block products (the fast, inexact path) on a CPU with AVX512-BF16, bf16
+  with bf16 attention (:func:`attention_for`). Every row equals, bit for bit, the
+  one-token forward at its place (verify rows equal decode rows, chains and trees), on
+  every ISA and thread count.
 - **torch** (``kernels=False``, CUDA, no compiler; ``lean_torch``): q/k/v and gate/up fused,
   weights ``(in, out)`` applied as ``x @ W``, an fp32 (bf16 on CUDA) cache, SDPA with an
   explicit mask (a chain after a cache is not SDPA's top-left ``is_causal``).
@@ -434,19 +435,23 @@ class LeanRunner:
 
 def attention_for(int8: bool) -> str:
     """The stack's attention (``qstack.ATTENTION``): ``$CODESPEC_ATTENTION`` (``fp32`` or
-    ``bf16``) when set, else ``bf16`` with int8 block products and ``fp32`` otherwise.
+    ``bf16``) when set, else ``bf16`` with int8 block products where the CPU has its own
+    bf16 dot products (:func:`qstack.native_bf16`), and ``fp32`` otherwise.
 
     ``bf16`` rounds q, k, v and the softmax weights to bf16 and sums their exact products
-    in fp32 (AVX512-BF16's ``vdpbf16ps`` where the CPU has it: half the instructions of
-    the fp32 path, whose FMAs bound a verification over a long cache). It is for the path
-    that is already inexact (int8 activations); the exact products keep fp32 attention
-    over fp16, the path tested against transformers."""
+    in fp32 in AVX512-BF16's ``vdpbf16ps`` order: that instruction does half the work of
+    the fp32 path, whose FMAs bound a verification over a long cache (a Zen 4, 2 threads,
+    16 tokens after 4,000 cached: 0.77-0.82 of fp32's time). Without it the same numbers
+    come from two FMAs a pair and cost more than fp32 (1.2-1.4x at 4,000 cached on the
+    AVX2 and AVX-512 paths of that machine), so there it is only had by asking. It is
+    for the path that is already inexact (int8 activations); the exact products keep fp32
+    attention over fp16, the path tested against transformers."""
     chosen = os.environ.get("CODESPEC_ATTENTION", "").strip().lower()
     if chosen:
         if chosen not in qstack.ATTENTION:
             raise ValueError(f"CODESPEC_ATTENTION is one of {sorted(qstack.ATTENTION)}")
         return chosen
-    return "bf16" if int8 else "fp32"
+    return "bf16" if int8 and qstack.native_bf16() else "fp32"
 
 
 def gguf_products() -> str:

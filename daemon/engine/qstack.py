@@ -100,6 +100,16 @@ def _embed_mat(e: Any, keep: list) -> Mat:
     return Mat(PANEL_KINDS[e.dtype], 0, e.data_ptr(), e.shape[0], e.shape[1], None)
 
 
+def native_bf16(isa: str | None = None) -> bool:
+    """Whether bf16 attention on the ``isa`` path (default: the products' default) runs on
+    the CPU's own bf16 dot products (AVX512-BF16, and not turned off by
+    ``CODESPEC_BF16_DOTS=emulate``), not the FMAs that stand in for them."""
+    lib = quant_gemm.library()
+    if lib is None or quant_gemm.ISAS[isa or quant_gemm.default_isa()] < 2:
+        return False
+    return lib.cs_lean_bf16_native(-1) == 1
+
+
 def head_dim_padded(d: int) -> int:
     return (d + 15) // 16 * 16
 
@@ -266,4 +276,4 @@ class Stack:
         )
 
 
-__all__ = ["Stack", "cache", "cache_rows", "head_dim_padded", "is_matrix"]
+__all__ = ["Stack", "cache", "cache_rows", "head_dim_padded", "is_matrix", "native_bf16"]
