@@ -262,6 +262,23 @@ def test_threads_change_nothing(model_file: Path, attention: str) -> None:
         assert torch.equal(a, b)
 
 
+def _run_long(runner: LeanRunner, threads: int) -> list[torch.Tensor]:
+    """From an empty cache on ``threads`` threads: a prefill over several 128-key chunks
+    (the last one partial), a decode step, a chain, a tree + keep (gathered keys), a chain."""
+    v = runner.vocab_size
+    runner.reset()
+    torch.set_num_threads(threads)
+    try:
+        out = [runner.forward(_ids(300, 15, v)).logits, runner.forward([3]).logits]
+        out.append(runner.forward(_ids(9, 16, v)).logits)
+        out.append(runner.forward(_ids(5, 9, v), [-1, 0, 0, 1, -1]).logits)
+        runner.keep([0, 1, 3])
+        out.append(runner.forward(_ids(2, 10, v)).logits)
+        return out
+    finally:
+        torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_attention_prefetch_changes_no_number(model_file: Path, attention: str) -> None:
     """Attention's software prefetch of a chunk's keys and values (off, 1 line ahead, the
@@ -269,29 +286,14 @@ def test_attention_prefetch_changes_no_number(model_file: Path, attention: str) 
     one partial), decode steps, chains and trees give the same logits bit for bit."""
     lib = quant_gemm.library()
     assert lib is not None
-
-    def run(runner: LeanRunner) -> list[torch.Tensor]:
-        v = runner.vocab_size
-        out = [runner.forward(_ids(300, 15, v)).logits, runner.forward([3]).logits]
-        out.append(runner.forward(_ids(9, 16, v)).logits)
-        out.append(runner.forward(_ids(5, 9, v), [-1, 0, 0, 1, -1]).logits)
-        runner.keep([0, 1, 3])
-        out.append(runner.forward(_ids(2, 10, v)).logits)
-        return out
-
     before = lib.cs_lean_att_ahead(0)
     try:
         runner = LeanRunner.from_gguf(model_file, max_length=352, attention=attention)
-        ref = run(runner)
+        ref = _run_long(runner, 1)
         for ahead in (1, before, 10_000):
             lib.cs_lean_att_ahead(ahead)
             for threads in (1, 2):
-                runner.reset()
-                torch.set_num_threads(threads)
-                try:
-                    got = run(runner)
-                finally:
-                    torch.set_num_threads(1)
+                got = _run_long(runner, threads)
                 for a, b in zip(got, ref, strict=True):
                     assert torch.equal(a, b), f"ahead={ahead} threads={threads}"
     finally:
@@ -309,25 +311,10 @@ def test_bf16_attention_on_the_cpus_own_dot_products_equals_the_fmas(model_file:
         if not lib.cs_lean_bf16_native(-1):
             pytest.skip("this CPU has no AVX512-BF16")
         runner = LeanRunner.from_gguf(model_file, max_length=352, attention="bf16")
-        v = runner.vocab_size
-
-        def run() -> list[torch.Tensor]:
-            runner.reset()
-            out = [runner.forward(_ids(300, 15, v)).logits, runner.forward([3]).logits]
-            out.append(runner.forward(_ids(5, 9, v), [-1, 0, 0, 1, -1]).logits)
-            runner.keep([0, 1, 3])
-            out.append(runner.forward(_ids(2, 10, v)).logits)
-            return out
-
-        native = run()
+        native = _run_long(runner, 1)
         lib.cs_lean_bf16_native(0)
         for threads in (1, 2):
-            torch.set_num_threads(threads)
-            try:
-                fmas = run()
-            finally:
-                torch.set_num_threads(1)
-            for a, b in zip(fmas, native, strict=True):
+            for a, b in zip(_run_long(runner, threads), native, strict=True):
                 assert torch.equal(a, b), f"threads={threads}"
     finally:
         lib.cs_lean_bf16_native(before)

@@ -159,6 +159,32 @@ inline void weigh_keys(const float* p, int64_t ld, int64_t nk, const uint16_t* c
     for (int c = 0; c < NC; ++c) vst(part[r] + 2 + dc + 16 * c, o[r][c]);
 }
 
+// A chunk's softmax for R rows of scores s (rows CHUNK apart, ntile tiles of 16): each row's
+// weights p = exp(s - m) over its first nvalid keys (0 past them) replace its scores, and
+// m and the sum l of the weights go to part[r][0..1]. weights(e, r, t) gives tile t of
+// row r's weights as they weigh the values (fp32: e itself; bf16: e rounded), which are
+// the ones stored and summed.
+template <int R, class Weights>
+inline void chunk_softmax(float* s, const int64_t* nvalid, int64_t ntile, float* const* part,
+                          Weights weights) {
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * CHUNK;
+    V mx = vset(-INFINITY);
+    for (int64_t t = 0; t < ntile; ++t)
+      mx = vmax(mx, vfirst(vld(sr + 16 * t), nvalid[r] - 16 * t, vset(-INFINITY)));
+    const float m = vhmax(mx);
+    V l = vzero();
+    for (int64_t t = 0; t < ntile; ++t) {
+      const V e = vfirst(vexp(vsub(vld(sr + 16 * t), vset(m))), nvalid[r] - 16 * t, vzero());
+      const V p = weights(e, r, t);
+      vst(sr + 16 * t, p);
+      l = vadd(l, p);
+    }
+    part[r][0] = m;
+    part[r][1] = vhsum(l);
+  }
+}
+
 // One chunk of keys for R query rows: scores, the chunk's softmax (max m, sum l) and its
 // weighted values o. nvalid[r]: keys of the chunk row r sees (its first ones); nk: the
 // most of them. Keys past a row's nvalid get weight 0 (their values are finite: adding
@@ -173,21 +199,7 @@ void chunk_rows(const float* const* q, const int64_t* nvalid, int64_t nk, int64_
   int64_t i = 0;
   for (; i + TT <= ntile; i += TT) score_tiles<R, TT>(q, D, ktile + i, s + 16 * i, CHUNK, pf);
   for (; i < ntile; ++i) score_tiles<R, 1>(q, D, ktile + i, s + 16 * i, CHUNK, pf);
-  for (int r = 0; r < R; ++r) {
-    float* sr = s + r * CHUNK;
-    V mx = vset(-INFINITY);
-    for (int64_t t = 0; t < ntile; ++t)
-      mx = vmax(mx, vfirst(vld(sr + 16 * t), nvalid[r] - 16 * t, vset(-INFINITY)));
-    const float m = vhmax(mx);
-    V l = vzero();
-    for (int64_t t = 0; t < ntile; ++t) {
-      const V p = vfirst(vexp(vsub(vld(sr + 16 * t), vset(m))), nvalid[r] - 16 * t, vzero());
-      vst(sr + 16 * t, p);
-      l = vadd(l, p);
-    }
-    part[r][0] = m;
-    part[r][1] = vhsum(l);
-  }
+  chunk_softmax<R>(s, nvalid, ntile, part, [](V e, int, int64_t) { return e; });
   constexpr int NC = value_chunks_for(R);
   for (int64_t dc = 0; dc < Dp;) {
     const int64_t left = (Dp - dc) / 16;
@@ -310,22 +322,9 @@ void chunk_rows_bf(const float* const* q, const uint16_t* const* qb, const int64
   for (; i + TT <= ntile; i += TT)
     score_tiles_bf<B, R, TT>(q, qb, D, ktile + i, s + 16 * i, CHUNK, pf);
   for (; i < ntile; ++i) score_tiles_bf<B, R, 1>(q, qb, D, ktile + i, s + 16 * i, CHUNK, pf);
-  for (int r = 0; r < R; ++r) {
-    float* sr = s + r * CHUNK;
-    V mx = vset(-INFINITY);
-    for (int64_t t = 0; t < ntile; ++t)
-      mx = vmax(mx, vfirst(vld(sr + 16 * t), nvalid[r] - 16 * t, vset(-INFINITY)));
-    const float m = vhmax(mx);
-    V l = vzero();
-    for (int64_t t = 0; t < ntile; ++t) {
-      const V e = vfirst(vexp(vsub(vld(sr + 16 * t), vset(m))), nvalid[r] - 16 * t, vzero());
-      const V p = round_bf<B>(e, sb + r * CHUNK + 16 * t);
-      vst(sr + 16 * t, p);
-      l = vadd(l, p);
-    }
-    part[r][0] = m;
-    part[r][1] = vhsum(l);
-  }
+  chunk_softmax<R>(s, nvalid, ntile, part, [&sb](V e, int r, int64_t t) {
+    return round_bf<B>(e, sb + r * CHUNK + 16 * t);
+  });
   constexpr int NC = value_chunks_for(R);
   for (int64_t dc = 0; dc < Dp;) {
     if ((Dp - dc) / 16 >= NC) {
