@@ -233,11 +233,14 @@ void chunk_any(int R, const float* const* q, const int64_t* nvalid, int64_t nk, 
 // vdpbf16ps's order: per pair of elements (d, d + 1) the odd one's product first, then the
 // even one's, each addition rounded to fp32 (to nearest even, a denormal result flushed
 // to zero). On a CPU with AVX512-BF16 one vdpbf16ps does a pair for 16 lanes (BfNative);
-// elsewhere two FMAs do (BfEmu): the same numbers bit for bit, at the fp32 path's cost.
-// Half the instructions of the fp32 FMAs where the CPU has it: a verification's attention
-// over a long cache is arithmetic-bound.
+// elsewhere two FMAs do (BfEmu): the same numbers bit for bit, at 1.2-1.4x the fp32 path's
+// cost (Zen 4, 4,000 cached tokens), which is why lean.attention_for picks bf16 only where
+// the CPU has vdpbf16ps. With it, half the instructions of the fp32 FMAs: a verification's
+// attention over a long cache is arithmetic-bound. BfEmu / BfNative: round (vbfr's
+// contract), and BfNative's ld / dot.
 struct BfEmu {
   static constexpr bool native = false;
+  static inline V round(V a, uint16_t* dst) { return vbfr(a, dst); }
 };
 
 // Scores of R rows (q: bf16 values; qb: their bits) against TT tiles of 16 keys.
@@ -297,17 +300,6 @@ inline void weigh_keys_bf(const float* p, const uint16_t* pb, int64_t ld, int64_
     for (int c = 0; c < NC; ++c) vst(part[r] + 2 + dc + 16 * c, o[r][c]);
 }
 
-// 16 lanes rounded to bf16 (to nearest even, a denormal flushed to zero, a NaN quieted),
-// their bits stored at dst; returns their fp32 values.
-template <class B>
-inline V round_bf(V a, uint16_t* dst) {
-  if constexpr (B::native) {
-    return B::round(a, dst);
-  } else {
-    return vbfr(a, dst);
-  }
-}
-
 // chunk_rows over the bf16 cache: the chunk's weights p are rounded to bf16 before they
 // weigh the values, and its sum l adds the rounded ones.
 template <class B, int R>
@@ -323,7 +315,7 @@ void chunk_rows_bf(const float* const* q, const uint16_t* const* qb, const int64
     score_tiles_bf<B, R, TT>(q, qb, D, ktile + i, s + 16 * i, CHUNK, pf);
   for (; i < ntile; ++i) score_tiles_bf<B, R, 1>(q, qb, D, ktile + i, s + 16 * i, CHUNK, pf);
   chunk_softmax<R>(s, nvalid, ntile, part, [&sb](V e, int r, int64_t t) {
-    return round_bf<B>(e, sb + r * CHUNK + 16 * t);
+    return B::round(e, sb + r * CHUNK + 16 * t);
   });
   constexpr int NC = value_chunks_for(R);
   for (int64_t dc = 0; dc < Dp;) {
@@ -506,7 +498,7 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
 template <class B>
 void bf16_probe_with(const float* x, int64_t n, uint16_t* xb, const uint16_t* kt,
                      const uint16_t* qb, int64_t pairs, float* s) {
-  for (int64_t i = 0; i + 16 <= n; i += 16) round_bf<B>(vld(x + i), xb + i);
+  for (int64_t i = 0; i + 16 <= n; i += 16) B::round(vld(x + i), xb + i);
   std::vector<float> qf(2 * pairs);
   for (int64_t i = 0; i < 2 * pairs; ++i) qf[i] = bf2f(qb[i]);
   const float* q[1] = {qf.data()};
