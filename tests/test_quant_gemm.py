@@ -356,6 +356,34 @@ def test_i8_rows_equal_one_row_products_bit_for_bit(qtype: str) -> None:
 
 
 @needs_kernel
+def test_i8_rounding_of_x_agrees_on_every_path_at_its_edges() -> None:
+    """x's rounding to int8 (each ISA has its own: AVX-512 takes 16 blocks a pass) on the
+    blocks where it can go wrong: all zeros (d = 0), halves after scaling (ties to even),
+    a block's max at either end or negative, tiny beside huge blocks, and row counts
+    whose blocks do not fill a pass. Every path gives the scalar path's products."""
+    qtype, n, k = "Q8_0", 40, 1536  # 48 blocks a row: passes of 16 end mid-row
+    raw = random_gguf(qtype, n, k, seed=41)
+    w = reference(raw, qtype, n, k)
+    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(7, k, generator=g)  # (7, K)
+    x[0, :32] = 0.0  # d = 0: every q 0
+    x[1, :32] = torch.arange(32) - 15.5  # max 16.5 at the end: steps of 16.5 / 127
+    x[1, 32:64] = 127.0 * (torch.arange(32) % 5 - 2) / 4  # 0.5 steps once scaled: ties
+    x[1, 63] = -127.0  # the max negative, last
+    x[2, 64:96] *= 1e-6  # tiny beside its neighbours
+    x[3, ::7] *= 1e4
+    want = rounded_rows(x)  # (7, K) float64
+    for m in (1, 2, 3, 5, 7):
+        scalar = quant_gemm.linear_i8(x[:m], qm, threads=1, isa="scalar")
+        assert_close(scalar, want[:m], w, None, f"scalar M={m}")
+        for isa in _i8_isas():
+            for threads in (1, 2):
+                y = quant_gemm.linear_i8(x[:m], qm, threads=threads, isa=isa)
+                assert torch.equal(y, scalar), f"{isa} threads={threads} M={m}"
+
+
+@needs_kernel
 def test_i8_many_equals_each_product_alone_bit_for_bit() -> None:
     """Several matrices of different types over the same rows (the stack's q/k/v): one call
     quantizes x once; each matrix's columns equal its own product, with its bias."""
