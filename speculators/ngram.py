@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from codespec.ngram_index import NgramIndex
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 
-__all__ = ["NgramProposer", "SequenceMatcher", "match_continuations"]
+__all__ = ["NgramProposer", "SequenceMatcher", "best_hits", "continuations", "match_continuations"]
 
 _MAX_OCCURRENCES = 64  # latest occurrences examined per lookup
 # A draft may hold up to this many times the step's budget: the policy keeps the likeliest
@@ -47,6 +47,7 @@ def match_continuations(
     max_n: int,
     k: int,
     b: int,
+    near: int | None = None,
 ) -> tuple[int, list[list[int]]]:
     """Longest suffix match of ``tail`` in ``seq``; up to ``b`` continuations of ``k`` tokens.
 
@@ -55,13 +56,27 @@ def match_continuations(
     and ``p + 1 < len(seq)``. Returns ``(n, conts)``: ``n`` is the largest ``m <=
     max_n`` such that ``seq[p - m + 1 : p + 1] == tail[-m:]`` for some ``p`` among
     the last 64 ``ends``, and ``conts`` are the distinct ``seq[p + 1 : p + 1 + k]``
-    of those ``p`` that match ``n`` tokens, latest ``p`` first. ``(0, [])`` when
-    ``ends`` is empty.
+    of those ``p`` that match ``n`` tokens, latest ``p`` first (with ``near``: the
+    ``p`` nearest it first). ``(0, [])`` when ``ends`` is empty.
 
     >>> seq = [5, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]  # tail ...1 2 3: the match at 6 is longer
     >>> match_continuations(seq, [2, 6], seq, 2, 4, 2, 4)
     (3, [[7, 1]])
+    >>> seq = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # tail 1 2: three equal matches
+    >>> match_continuations(seq, [1, 5], seq, 2, 4, 2, 4, near=1)
+    (2, [[3, 4], [3, 5]])
     """
+    best, hits = best_hits(seq, ends, tail, min_n, max_n)
+    if near is not None:
+        hits.sort(key=lambda p: abs(p - near))  # stable: on a tie, the later first
+    return best, continuations(seq, hits, k, b)
+
+
+def best_hits(
+    seq: Sequence[int], ends: Sequence[int], tail: Sequence[int], min_n: int, max_n: int
+) -> tuple[int, list[int]]:
+    """The longest match of ``tail`` at the last 64 ``ends`` (see
+    :func:`match_continuations`) and the ends that match it, latest first."""
     best = 0
     hits: list[int] = []
     limit = min(max_n, len(tail))
@@ -73,6 +88,11 @@ def match_continuations(
             best, hits = m, [p]
         elif m == best:
             hits.append(p)
+    return best, hits
+
+
+def continuations(seq: Sequence[int], hits: Sequence[int], k: int, b: int) -> list[list[int]]:
+    """The distinct ``seq[p + 1 : p + 1 + k]`` of ``hits`` in their order, at most ``b``."""
     conts: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     for p in hits:
@@ -82,7 +102,7 @@ def match_continuations(
             conts.append(list(cont))
             if len(conts) >= b:
                 break
-    return best, conts
+    return conts
 
 
 class SequenceMatcher:
@@ -98,6 +118,7 @@ class SequenceMatcher:
         self.seq: list[int] = []
         self.table: dict[tuple[int, ...], list[int]] = {}
         self.singles: dict[int, list[int]] = {}
+        self.first_end: int | None = None
 
     def extend(self, tokens: Sequence[int]) -> None:
         g = self.min_n
@@ -127,12 +148,20 @@ class SequenceMatcher:
         self.extend(context)
 
     def match(
-        self, tail: Sequence[int], max_n: int, k: int, b: int, single: bool = False
+        self,
+        tail: Sequence[int],
+        max_n: int,
+        k: int,
+        b: int,
+        single: bool = False,
+        near: int | None = None,
     ) -> tuple[int, list[list[int]]]:
         """:func:`match_continuations` over the occurrences of ``tail``'s last ``min_n``
         tokens; with ``single``, over those of its last token alone (a match of 1, for a
         caller that found no ``min_n`` tokens anywhere: after the text departed from what
-        it copies, the first token it shares again)."""
+        it copies, the first token it shares again). ``first_end`` becomes the end of the
+        occurrence the first continuation follows (None: no match)."""
+        self.first_end = None
         if len(tail) < self.min_n:
             return 0, []
         if single:
@@ -142,7 +171,13 @@ class SequenceMatcher:
         last = len(self.seq) - 1
         if ends and ends[-1] >= last:  # an occurrence needs a continuation
             ends = [p for p in ends if p < last]
-        return match_continuations(self.seq, ends, tail, g, max_n, k, b)
+        best, hits = best_hits(self.seq, ends, tail, g, max_n)
+        if near is not None:
+            hits.sort(key=lambda p: abs(p - near))  # stable: on a tie, the later first
+        conts = continuations(self.seq, hits, k, b)
+        if conts:
+            self.first_end = hits[0]
+        return best, conts
 
 
 class NgramProposer:
@@ -183,6 +218,8 @@ class NgramProposer:
         self._prediction: SequenceMatcher | None = None
         self._recent: SequenceMatcher | None = None
         self._prompt_len = 0
+        # where the text last met the prediction: (prediction index, context length)
+        self._anchor: tuple[int, int] | None = None
 
     def begin(self, request: RequestInfo) -> None:
         self._uri = request.uri
@@ -191,6 +228,7 @@ class NgramProposer:
             self._context.extend(request.prompt_ids)
         self._prompt_len = len(request.prompt_ids)
         self._prediction = self._matcher(request.draft_text_ids)
+        self._anchor = None
         self._recent = self._matcher(request.recent_ids)
 
     def _matcher(self, ids: Sequence[int] | None) -> SequenceMatcher | None:
@@ -217,8 +255,20 @@ class NgramProposer:
             # Too little generated to match on: the old text's start is the draft, as good
             # as a full-length match.
             start = len(generated)
+            self._anchor = (start - 1, len(context))
             return self.max_n, [pred.seq[start : start + budget]]
-        return pred.match(tail, self.max_n, budget, self.breadth, single)
+        # The text follows the prediction in order: where the tail's occurrence should end
+        # now is where the last one used ended, moved on by what was written since. Of the
+        # occurrences that match as long, the nearest to it is drafted first (a line that
+        # recurs in the prediction otherwise sent the draft to its last occurrence: a
+        # 32-token draft rejected at its first token, on an exact prediction).
+        near = None
+        if self._anchor is not None:
+            near = self._anchor[0] + len(context) - self._anchor[1]
+        n, conts = pred.match(tail, self.max_n, budget, self.breadth, single, near)
+        if pred.first_end is not None:
+            self._anchor = (pred.first_end, len(context))
+        return n, conts
 
     def _found(
         self, context: Sequence[int], tail: Sequence[int], budget: int, single: bool

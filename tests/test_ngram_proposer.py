@@ -209,3 +209,23 @@ def test_a_thin_proposer_has_nothing_to_learn() -> None:
         again = p.propose(context, 8)
         assert again is not None and again.tokens == first.tokens
         assert again.parents == first.parents
+
+
+def test_prediction_is_followed_in_order_where_a_run_of_it_recurs() -> None:
+    """A run the prediction holds twice (a recurring line) continues, first, the way its
+    occurrence where the text is now does: after the first one, what follows the first
+    one; after the second, the second's (not always the latest occurrence's)."""
+    run = list(range(50, 60))  # longer than max_n: both occurrences match as long
+    pred = [10, 11, 12, *run, 20, 21, 22, 23, *run, 30, 31, 32, 33]
+    prompt = [1, 2, 3]
+    prop = NgramProposer()
+    prop.begin(RequestInfo(prompt_ids=prompt, kind="edit", draft_text_ids=pred))
+    context = [*prompt, 10]
+    d = prop.propose(context, budget=12)  # the start of the prediction
+    assert d is not None and d.tokens[:3] == [11, 12, 50]
+    context += [11, 12, *run]  # the draft accepted: the text is at the first run's end
+    d = prop.propose(context, budget=4)
+    assert d is not None and paths_of(d)[0] == [20, 21, 22, 23]
+    context += [20, 21, 22, 23, *run]
+    d = prop.propose(context, budget=4)
+    assert d is not None and paths_of(d)[0] == [30, 31, 32, 33]
