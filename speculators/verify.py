@@ -22,6 +22,8 @@ This module knows nothing about models, caches or tokenizers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from codespec.speculators.draft import Draft
@@ -48,9 +50,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def verify_greedy(draft: Draft | None, logits: torch.Tensor) -> tuple[list[int], int]:
-    """Return (accepted draft nodes root→leaf, bonus token) under greedy decoding."""
-    best = logits.argmax(dim=-1).tolist()
+def verify_greedy(
+    draft: Draft | None, logits: torch.Tensor, best: Sequence[int] | None = None
+) -> tuple[list[int], int]:
+    """Return (accepted draft nodes root→leaf, bonus token) under greedy decoding.
+    ``best``: each row's ``argmax`` when the caller has it already (a faster kernel's)."""
+    if best is None:
+        best = logits.argmax(dim=-1).tolist()
     if draft is None or len(draft) == 0:
         return [], best[0]
     children = draft.children()
@@ -113,8 +119,10 @@ def verify(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    best: Sequence[int] | None = None,
 ) -> tuple[list[int], int]:
-    """Greedy at temperature 0, rejection sampling otherwise."""
+    """Greedy at temperature 0 (``best``: the rows' argmax, when the caller has it),
+    rejection sampling otherwise."""
     if temperature <= 0.0:
-        return verify_greedy(draft, logits)
+        return verify_greedy(draft, logits, best)
     return verify_sampling(draft, logits, temperature, top_p, generator)

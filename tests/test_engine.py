@@ -330,3 +330,32 @@ def test_the_head_stop_is_asked_for_when_verification_likely_ends_early(engine, 
             outs.append((v.accepted, v.bonus))
     assert len(set(map(str, outs))) == 1
     assert Draft(list(range(n)), chances=unlikely).past(eng.HEAD_FIRST_ROWS - 1) < eng.STOP_BELOW
+
+
+def test_greedy_steps_read_the_runners_argmax(engine, monkeypatch):
+    """At temperature 0 the engine takes each row's argmax from the runner's kernel where
+    the runner has one (the lean runner's stack), and the tokens are torch.argmax's: the
+    same output with the kernel's argmax taken away; sampling never asks for it."""
+    if getattr(engine.runner, "argmax_rows", None) is None:
+        pytest.skip("this runner has no argmax of its own")
+    prompt = heldout_prompts(engine, 1, tokens=40, seed=5)[0]
+    calls: list[int] = []
+    own = engine.runner.argmax_rows
+
+    def spy(logits):
+        calls.append(logits.shape[0])
+        return own(logits)
+
+    monkeypatch.setattr(engine.runner, "argmax_rows", spy)
+    engine.reset_cache()
+    fast, _ = engine.generate(prompt, GenParams(max_tokens=24))
+    assert (len(calls) >= 24) == (engine.runner.stack is not None), calls  # first + each step
+    monkeypatch.setattr(engine.runner, "argmax_rows", lambda logits: None)
+    engine.reset_cache()
+    plain, _ = engine.generate(prompt, GenParams(max_tokens=24))
+    assert fast == plain
+    calls.clear()
+    monkeypatch.setattr(engine.runner, "argmax_rows", spy)
+    engine.reset_cache()
+    engine.generate(prompt, GenParams(max_tokens=8, temperature=0.8, seed=1))
+    assert calls == []

@@ -374,6 +374,12 @@ class LeanRunner:
     # -- forward -------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
+        """Each row's argmax (torch's choice) by the stack's kernel; None without the stack."""
+        if self.stack is None:
+            return None
+        return qstack.argmax_rows(logits)
+
     def forward(
         self,
         ids: list[int],

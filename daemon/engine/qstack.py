@@ -110,6 +110,31 @@ def native_bf16(isa: str | None = None) -> bool:
     return lib.cs_lean_bf16_native(-1) == 1
 
 
+def argmax_rows(
+    logits: torch.Tensor, threads: int | None = None, isa: str | None = None
+) -> list[int] | None:
+    """``logits.argmax(-1).tolist()`` for 2-D fp32 CPU logits with contiguous rows, by the
+    stack's one-pass argmax on the ``isa`` path (``csrc/stack.cpp``: the first NaN, else
+    the first largest, as torch); None where the kernel is not loaded or the tensor is
+    another kind."""
+    lib = quant_gemm.library()
+    if (
+        lib is None
+        or logits.dim() != 2
+        or logits.dtype != torch.float32
+        or logits.device.type != "cpu"
+        or logits.stride(1) != 1
+        or logits.shape[0] == 0
+    ):
+        return None
+    rows, n = logits.shape
+    out = (c_i64 * rows)()
+    code = quant_gemm.ISAS[isa or quant_gemm.default_isa()]
+    threads = max(1, int(threads or torch.get_num_threads()))
+    lib.cs_lean_argmax(logits.data_ptr(), rows, n, logits.stride(0), out, threads, code)
+    return list(out)
+
+
 def head_dim_padded(d: int) -> int:
     return (d + 15) // 16 * 16
 

@@ -92,6 +92,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("cs_lean_forward", i32, [ptr, ptr]),
         ("cs_lean_keep", None, [ptr, i64, i64, i64, i64, i64, ptr, i64, i32]),
         ("cs_lean_bf16_native", i32, [i32]),
+        ("cs_lean_argmax", i64, [ptr, i64, i64, i64, ptr, i64, i32]),
         ("cs_lean_bf16_probe", i32, [i32, i32, ptr, i64, ptr, ptr, ptr, i64, ptr]),
         ("cs_qgemm", i32, [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32]),
         (

@@ -103,7 +103,9 @@ class ForwardOut:
 
 
 class Runner(Protocol):
-    """What the engine needs from a model runner (see the module docstring)."""
+    """What the engine needs from a model runner (see the module docstring). Optional:
+    ``argmax_rows(logits) -> list[int] | None``, each row's ``argmax`` (torch's choice) by
+    a faster kernel of the runner's; greedy verification uses it where it is there."""
 
     name: str
     vocab_size: int
