@@ -333,29 +333,44 @@ def test_the_head_stop_is_asked_for_when_verification_likely_ends_early(engine, 
 
 
 def test_greedy_steps_read_the_runners_argmax(engine, monkeypatch):
-    """At temperature 0 the engine takes each row's argmax from the runner's kernel where
-    the runner has one (the lean runner's stack), and the tokens are torch.argmax's: the
-    same output with the kernel's argmax taken away; sampling never asks for it."""
-    if getattr(engine.runner, "argmax_rows", None) is None:
+    """At temperature 0 the engine takes each row's argmax from the runner where it gives
+    one (the lean runner's stack: ForwardOut.best; the first token from its argmax_rows),
+    and the tokens are torch.argmax's: the same output with both taken away; sampling
+    never asks for them."""
+    from codespec.daemon.engine import engine as eng
+
+    if getattr(engine.runner, "stack", None) is None:
         pytest.skip("this runner has no argmax of its own")
     prompt = heldout_prompts(engine, 1, tokens=40, seed=5)[0]
-    calls: list[int] = []
-    own = engine.runner.argmax_rows
+    given: list[bool] = []
+    verify = eng.verify
 
-    def spy(logits):
-        calls.append(logits.shape[0])
-        return own(logits)
+    def spy(draft, logits, temperature, top_p, gen, best=None):
+        given.append(best is not None)
+        if best is not None:
+            assert best == logits.argmax(-1).tolist()
+        return verify(draft, logits, temperature, top_p, gen, best)
 
-    monkeypatch.setattr(engine.runner, "argmax_rows", spy)
+    monkeypatch.setattr(eng, "verify", spy)
     engine.reset_cache()
     fast, _ = engine.generate(prompt, GenParams(max_tokens=24))
-    assert (len(calls) >= 24) == (engine.runner.stack is not None), calls  # first + each step
+    assert len(given) >= 24 and all(given)  # the first token and every step
+    forward = engine.runner.forward
+
+    def without(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.best = None
+        return out
+
+    monkeypatch.setattr(engine.runner, "forward", without)
     monkeypatch.setattr(engine.runner, "argmax_rows", lambda logits: None)
+    given.clear()
     engine.reset_cache()
     plain, _ = engine.generate(prompt, GenParams(max_tokens=24))
-    assert fast == plain
-    calls.clear()
-    monkeypatch.setattr(engine.runner, "argmax_rows", spy)
+    assert fast == plain and not any(given)
+    monkeypatch.undo()
+    monkeypatch.setattr(eng, "verify", spy)
+    given.clear()
     engine.reset_cache()
     engine.generate(prompt, GenParams(max_tokens=8, temperature=0.8, seed=1))
-    assert calls == []
+    assert given and not any(given)

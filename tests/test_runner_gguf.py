@@ -544,6 +544,40 @@ def test_a_greedy_draft_stops_the_lm_head_where_verification_ends(
     assert one.logits.shape == (1, v)
 
 
+@pytest.mark.parametrize("regions", ["one", "per-product"])
+def test_the_stack_names_each_rows_argmax(model_file: Path, regions: str, monkeypatch) -> None:
+    """ForwardOut.best: each logit row's argmax as torch takes it, whichever thread computed
+    which columns of the LM head (one thread or two, thread 0 holding none, some or all of
+    them), with the head stopped early or not, a chain, a tree or one token."""
+    if not quant_gemm.i8_available():
+        pytest.skip("no int8 product path on this CPU")
+    monkeypatch.setenv("CODESPEC_LEAN_REGIONS", regions)
+    lib = quant_gemm.library()
+    assert lib is not None
+    runner = LeanRunner.from_gguf(model_file, max_length=128, int8=True)
+    v = runner.vocab_size
+    prompt = _ids(20, 23, v)
+    adapt, split = lib.cs_lean_split_adapt(0), lib.cs_lean_split(0.5)
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for f in (0.0, 0.3, 1.0):
+                lib.cs_lean_split(f)
+                for ids, par, greedy in [
+                    (prompt, None, False),
+                    (prompt[:9], None, True),
+                    (prompt[:8], [-1, 0, 1, 2, 0, 4, 5, 6], True),
+                    (prompt[:1], None, False),
+                ]:
+                    runner.reset()
+                    out = runner.forward(ids, parents=par, greedy=greedy)
+                    assert out.best == out.logits.argmax(-1).tolist(), (threads, f, par)
+    finally:
+        torch.set_num_threads(1)
+        lib.cs_lean_split_adapt(adapt)
+        lib.cs_lean_split(split)
+
+
 def test_taps_and_last_only(model_file: Path) -> None:
     """Taps 0 .. L (tap L before the final norm) and a last-row-only prefill, as the torch
     runner on the same weights gives them."""

@@ -291,9 +291,10 @@ class Engine(ModelTarget):
         t0 = time.perf_counter()
         fwd = self.runner.forward(ids, parents, taps=taps, greedy=greedy)  # (<= T, V)
         logits = fwd.logits if mask is None else fwd.logits.masked_fill(~mask, float("-inf"))
-        accepted, bonus = verify(
-            draft, logits, params.temperature, params.top_p, gen, self._argmax(logits, params)
-        )
+        best = fwd.best if mask is None and params.temperature <= 0 else None
+        if best is None:
+            best = self._argmax(logits, params)
+        accepted, bonus = verify(draft, logits, params.temperature, params.top_p, gen, best)
         ms = (time.perf_counter() - t0) * 1000
         kept = [0] + [a + 1 for a in accepted]
         base = self.runner.length - len(ids)

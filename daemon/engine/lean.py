@@ -132,6 +132,7 @@ class LeanRunner:
         if compile:
             self._layers_fn = torch.compile(self._layers_fn, dynamic=True)
         self.stack: qstack.Stack | None = None
+        self._isa = quant_gemm.default_isa()  # the argmax's path (read once: it is per step)
         self._build_stack()
         if self.gguf and self.stack is None:
             raise RuntimeError(f"the decoder stack is unavailable: {self._stack_reason}")
@@ -373,13 +374,13 @@ class LeanRunner:
 
     # -- forward -------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (torch's choice) by the stack's kernel; None without the stack."""
         if self.stack is None:
             return None
-        return qstack.argmax_rows(logits)
+        return qstack.argmax_rows(logits, isa=self._isa)
 
+    @torch.inference_mode()
     def forward(
         self,
         ids: list[int],
@@ -404,7 +405,9 @@ class LeanRunner:
             self._pending = n
             logits = torch.cat([o.logits for o in outs])
             hidden = torch.cat([o.hidden for o in outs]) if taps else None
-            return ForwardOut(logits=logits, hidden=hidden)
+            bests = [o.best for o in outs]
+            best = None if any(b is None for b in bests) else [i for b in bests for i in b or []]
+            return ForwardOut(logits=logits, hidden=hidden, best=best)
         rows = "last" if last_only else ("greedy" if greedy else "all")
         out = self._forward_chunk(ids, depth if anc is not None else None, anc, taps, rows)
         self._pending = n
@@ -430,11 +433,11 @@ class LeanRunner:
         if self.stack is not None:  # the whole stack in one C++ call
             pos = None if anc is None else [past + d for d in depth or []]
             first = {"all": 0, "greedy": 0, "last": n - 1, "none": n}[rows]
-            logits, hidden = self.stack.forward(
+            logits, hidden, best = self.stack.forward(
                 self.kv, past, ids, pos, anc, taps, first, stop=rows == "greedy"
             )
             self._len = total
-            return ForwardOut(logits=logits, hidden=hidden)
+            return ForwardOut(logits=logits, hidden=hidden, best=best)
         rows = "all" if rows == "greedy" else rows  # the torch path computes every row
         return lean_torch.forward_chunk(self, ids, depth, anc, taps, rows)
 

@@ -62,6 +62,7 @@ class Fwd(ctypes.Structure):
     _fields_ = [(n, c_i64) for n in ("T", "past", "s_max", "first", "threads", "ntaps")]
     _fields_ += [("isa", c_i32), ("stop", c_i32)]
     _fields_ += [(n, c_ptr) for n in ("ids", "pos", "anc", "kv", "taps", "hidden", "logits")]
+    _fields_ += [("best", c_ptr)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -245,9 +246,10 @@ class Stack:
         threads: int | None = None,
         isa: str | None = None,
         stop: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Append ``ids`` after ``past`` cached tokens of ``kv``; logits of rows ``first..``
-        ``(T - first, V)`` and the taps ``(T, len(taps), H)`` (None without taps).
+        ``(T - first, V)``, the taps ``(T, len(taps), H)`` (None without taps) and each
+        logit row's argmax (torch's choice; each thread scans the columns it computed).
         ``pos``: positions (default ``past .. past + T``); ``anc``: (T, T) bool, token t
         sees new token j (None: a chain). ``stop`` (a chain or tree verified greedily,
         ``first`` 0): the logits stop after the row where greedy verification's walk ends
@@ -260,6 +262,7 @@ class Stack:
         taps_t = torch.tensor(taps, dtype=torch.int64) if taps else None
         hidden = torch.empty((n, len(taps), m.hidden), dtype=torch.float32) if taps else None
         logits = torch.empty((n - first, m.vocab), dtype=torch.float32)
+        best = (c_i64 * max(1, n - first))()
         s_max = kv.shape[1] // (m.kv_heads * (m.head_dim + head_dim_padded(m.head_dim)))
         f = Fwd(
             n,
@@ -277,11 +280,13 @@ class Stack:
             _ptr(taps_t),
             _ptr(hidden),
             logits.data_ptr() if n > first else None,
+            ctypes.addressof(best) if n > first else None,
         )
         rc = self.lib.cs_lean_forward(ctypes.byref(m), ctypes.byref(f))
         if rc < 0 or (rc > 0 and not stop):
             raise RuntimeError(f"the decoder stack refused the forward (code {rc})")
-        return (logits[:rc] if stop else logits), hidden
+        rows = rc if stop else n - first
+        return (logits[:rc] if stop else logits), hidden, list(best[:rows])
 
     def keep(self, kv: torch.Tensor, base: int, indices: list[int]) -> None:
         """Rows ``base + indices[j]`` become rows ``base + j`` in every layer."""

@@ -100,6 +100,8 @@ def check_keep(indices: list[int], appended: int) -> None:
 class ForwardOut:
     logits: torch.Tensor  # (T, V) fp32
     hidden: torch.Tensor | None = None  # (T, len(taps), H) when taps were asked for
+    # each logit row's argmax (torch's choice), when the runner's kernel gives it
+    best: list[int] | None = None
 
 
 class Runner(Protocol):

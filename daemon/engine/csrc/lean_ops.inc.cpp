@@ -593,6 +593,11 @@ int forward(const Model& m, const Fwd& f) {
       if (f.stop && walk_ends(f, f.logits, m.vocab, done, at)) break;
     }
   }
+  if (f.best)
+    for (int64_t r = 0; r < done; ++r) {
+      bool nan;
+      f.best[r] = row_argmax(f.isa, f.logits + r * m.vocab, m.vocab, nan);
+    }
   return f.stop ? static_cast<int>(done) : 0;
 }
 
@@ -620,6 +625,8 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   const int64_t threads = f.threads > 1 ? f.threads : 1;
   const double split = g_split.load(std::memory_order_relaxed);  // thread 0's, of two
   int64_t busy[2] = {0, 0};  // ns each of two threads spent in the products
+  // Fwd::best / Fwd::stop: each row's argmax, from each thread's own columns of the head
+  Picks pick(f.best || f.stop, threads, T - f.first > 0 ? T - f.first : 0);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp single
@@ -630,6 +637,15 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       hi = total * (tid + 1) / n;
     };
     int64_t ns = 0;
+    auto panels_of = [&](int64_t np, int64_t& p0, int64_t& p1) {  // this thread's, in order
+      if (n == 2) {  // g_split's shares
+        const int64_t cut = static_cast<int64_t>(static_cast<double>(np) * split + 0.5);
+        p0 = tid == 0 ? 0 : cut;
+        p1 = tid == 0 ? cut : np;
+      } else {
+        share(np, p0, p1);
+      }
+    };
     auto mats = [&](const Mat* ms, int64_t count, int64_t M, float* y, int64_t ldy,
                     const float* res) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -638,13 +654,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
         const Mat& w = ms[i];
         const int64_t np = (w.n + 15) / 16;
         int64_t p0, p1;
-        if (n == 2) {  // g_split's shares
-          const int64_t cut = static_cast<int64_t>(static_cast<double>(np) * split + 0.5);
-          p0 = tid == 0 ? 0 : cut;
-          p1 = tid == 0 ? cut : np;
-        } else {
-          share(np, p0, p1);
-        }
+        panels_of(np, p0, p1);
         if (cs_qgemm_i8_panels(xq, w.kind, M, w.k, static_cast<const uint8_t*>(w.p), w.n,
                                y + col, ldy, w.bias, res ? res + col : nullptr, ldy, p0, p1,
                                isa))
@@ -701,6 +711,12 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       share(rows, h0, h1);
       rmsnorm(b.x.data() + (f.first + h0) * H, h1 - h0, H, H, m.norm, m.eps,
               b.a.data() + h0 * H, H);
+      int64_t c0 = 0, c1 = 0;  // this thread's columns of the head (its panels)
+      if (pick.on) {
+        panels_of((m.vocab + 15) / 16, c0, c1);
+        c0 = 16 * c0 < m.vocab ? 16 * c0 : m.vocab;
+        c1 = 16 * c1 < m.vocab ? 16 * c1 : m.vocab;
+      }
       for (int64_t r0 = 0; r0 < rows;) {  // chunks of rows (one without Fwd::stop)
         const int64_t c = head_chunk(f, r0, rows);
         share(c, h0, h1);
@@ -711,16 +727,25 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
         cs_qgemm_i8_quantize(xq, b.a.data() + r0 * H, H, H, h0, h1, isa);
         bar.wait();
         mats(&m.head, 1, c, f.logits + r0 * m.vocab, m.vocab, nullptr);
+        if (pick.on)  // each row's argmax over the columns this thread just wrote (in its cache)
+          for (int64_t r = r0; r < r0 + c; ++r) pick.part(tid, r, f.isa, f.logits + r * m.vocab, c0, c1);
         r0 += c;
         if (tid == 0) done.store(r0, std::memory_order_relaxed);
         if (r0 == rows) break;
-        bar.wait();  // the chunk's logits written
-        if (tid == 0) broke.store(walk_ends(f, f.logits, m.vocab, r0, at));
+        bar.wait();  // the chunk's logits (and argmax parts) written
+        if (tid == 0) {
+          pick.merge(n, r0 - c, r0);
+          broke.store(walk_ends(f, f.logits, m.vocab, r0, at, pick.best.data(), pick.nan.data()));
+        }
       }
     }
     if (n == 2) busy[tid] = ns;
   }
   if (threads == 2) split_after(split, busy[0], busy[1]);
   const int r = rc.load();
+  if (r == 0 && f.best) {
+    pick.merge(bar.n, 0, done.load());
+    for (int64_t i = 0; i < done.load(); ++i) f.best[i] = pick.best[i];
+  }
   return r == 0 && f.stop ? static_cast<int>(done.load()) : r;
 }

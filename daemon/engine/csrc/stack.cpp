@@ -203,6 +203,7 @@ struct Fwd {
   const int64_t* taps;
   float* hidden;
   float* logits;
+  int64_t* best;  // or null: each logit row's argmax (torch's choice), for greedy verification
 };
 
 struct Task {
@@ -365,10 +366,11 @@ int64_t row_argmax(int isa, const float* row, int64_t n, bool& nan) {
 // child: greedy verification reads no other row); false when it needs rows from r1 on. A
 // row with a NaN ends the stopping (at = T): every later row is computed and the caller's
 // own argmax decides.
-bool walk_ends(const Fwd& f, const float* logits, int64_t n, int64_t r1, int64_t& at) {
+bool walk_ends(const Fwd& f, const float* logits, int64_t n, int64_t r1, int64_t& at,
+               const int64_t* bests = nullptr, const uint8_t* nans = nullptr) {
   while (at < r1) {
-    bool nan;
-    const int64_t best = row_argmax(f.isa, logits + at * n, n, nan);
+    bool nan = bests && nans[at];
+    const int64_t best = bests ? bests[at] : row_argmax(f.isa, logits + at * n, n, nan);
     if (nan) {
       at = f.T;
       return false;
@@ -381,6 +383,53 @@ bool walk_ends(const Fwd& f, const float* logits, int64_t n, int64_t r1, int64_t
   }
   return false;
 }
+
+// Each logit row's argmax in parts: thread t scans the columns [c0, c1) it wrote (in its
+// own cache: read from the other core, a row of 49,152 logits took ~100 us, ten times its
+// scan), then merge() takes, per row, the first NaN in column order if a part saw one, else
+// the largest value, the first on a tie (threads hold columns in thread order): torch's
+// argmax of the whole row.
+struct Picks {
+  bool on;
+  int64_t rows;
+  std::vector<float> v;       // [thread][row]: the part's largest value
+  std::vector<int64_t> at;    // its column (-1: no columns)
+  std::vector<uint8_t> pnan;  // whether it is a NaN
+  std::vector<int64_t> best;  // merged, per row
+  std::vector<uint8_t> nan;
+  Picks(bool o, int64_t threads, int64_t r)
+      : on(o), rows(r), v(o ? threads * r : 0), at(o ? threads * r : 0, -1),
+        pnan(o ? threads * r : 0), best(o ? r : 0), nan(o ? r : 0) {}
+  void part(int64_t t, int64_t r, int isa, const float* row, int64_t c0, int64_t c1) {
+    if (c1 <= c0) return;
+    bool isnan;
+    const int64_t j = c0 + row_argmax(isa, row + c0, c1 - c0, isnan);
+    v[t * rows + r] = row[j];
+    at[t * rows + r] = j;
+    pnan[t * rows + r] = isnan ? 1 : 0;
+  }
+  void merge(int64_t threads, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t b = -1;
+      float bv = 0.0f;
+      bool isnan = false;
+      for (int64_t t = 0; t < threads && !isnan; ++t)  // torch names the first NaN
+        if (at[t * rows + r] >= 0 && pnan[t * rows + r]) {
+          b = at[t * rows + r];
+          isnan = true;
+        }
+      for (int64_t t = 0; t < threads && !isnan; ++t) {
+        const int64_t i = t * rows + r;
+        if (at[i] >= 0 && (b < 0 || v[i] > bv)) {
+          b = at[i];
+          bv = v[i];
+        }
+      }
+      best[r] = b < 0 ? 0 : b;
+      nan[r] = isnan ? 1 : 0;
+    }
+  }
+};
 
 // The row count of the next chunk of logits from row r0 of `rows` (see Fwd::stop).
 inline int64_t head_chunk(const Fwd& f, int64_t r0, int64_t rows) {
