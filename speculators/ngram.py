@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from codespec.ngram_index import NgramIndex
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 
-__all__ = ["NgramProposer", "SequenceMatcher", "best_hits", "continuations", "match_continuations"]
+__all__ = ["NgramProposer", "SequenceMatcher", "match_continuations"]
 
 _MAX_OCCURRENCES = 64  # latest occurrences examined per lookup
 # A draft may hold up to this many times the step's budget: the policy keeps the likeliest
@@ -66,17 +66,21 @@ def match_continuations(
     >>> match_continuations(seq, [1, 5], seq, 2, 4, 2, 4, near=1)
     (2, [[3, 4], [3, 5]])
     """
-    best, hits = best_hits(seq, ends, tail, min_n, max_n)
-    if near is not None:
-        hits.sort(key=lambda p: abs(p - near))  # stable: on a tie, the later first
-    return best, continuations(seq, hits, k, b)
+    best, hits = _hits(seq, ends, tail, min_n, max_n, near)
+    return best, _continuations(seq, hits, k, b)
 
 
-def best_hits(
-    seq: Sequence[int], ends: Sequence[int], tail: Sequence[int], min_n: int, max_n: int
+def _hits(
+    seq: Sequence[int],
+    ends: Sequence[int],
+    tail: Sequence[int],
+    min_n: int,
+    max_n: int,
+    near: int | None,
 ) -> tuple[int, list[int]]:
     """The longest match of ``tail`` at the last 64 ``ends`` (see
-    :func:`match_continuations`) and the ends that match it, latest first."""
+    :func:`match_continuations`) and the ends that match it, latest first (with ``near``:
+    nearest it first, the later on a tie)."""
     best = 0
     hits: list[int] = []
     limit = min(max_n, len(tail))
@@ -88,10 +92,12 @@ def best_hits(
             best, hits = m, [p]
         elif m == best:
             hits.append(p)
+    if near is not None:
+        hits.sort(key=lambda p: abs(p - near))  # stable
     return best, hits
 
 
-def continuations(seq: Sequence[int], hits: Sequence[int], k: int, b: int) -> list[list[int]]:
+def _continuations(seq: Sequence[int], hits: Sequence[int], k: int, b: int) -> list[list[int]]:
     """The distinct ``seq[p + 1 : p + 1 + k]`` of ``hits`` in their order, at most ``b``."""
     conts: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
@@ -171,10 +177,8 @@ class SequenceMatcher:
         last = len(self.seq) - 1
         if ends and ends[-1] >= last:  # an occurrence needs a continuation
             ends = [p for p in ends if p < last]
-        best, hits = best_hits(self.seq, ends, tail, g, max_n)
-        if near is not None:
-            hits.sort(key=lambda p: abs(p - near))  # stable: on a tie, the later first
-        conts = continuations(self.seq, hits, k, b)
+        best, hits = _hits(self.seq, ends, tail, g, max_n, near)
+        conts = _continuations(self.seq, hits, k, b)
         if conts:
             self.first_end = hits[0]
         return best, conts

@@ -285,6 +285,23 @@ int64_t argmax_scalar(const float* row, int64_t n, bool& nan) {
   return best;
 }
 
+// The vector passes' end: the lanes' largest values m and first places a (lanes of them,
+// the row's first j entries, no NaN among them) and the tail from j give the row's choice;
+// a NaN in the tail sends the row to the scalar scan.
+int64_t argmax_lanes(const float* m, const int32_t* a, int lanes, const float* row, int64_t j,
+                     int64_t n, bool& nan) {
+  int64_t best = -1;
+  float bv = -INFINITY;
+  for (int l = 0; l < lanes; ++l)  // a lane never set (all -inf) holds place l, not yet seen
+    if (m[l] > bv || (m[l] == bv && a[l] < best && m[l] > -INFINITY)) bv = m[l], best = a[l];
+  for (; j < n; ++j) {
+    if (row[j] != row[j]) return argmax_scalar(row, n, nan);
+    if (row[j] > bv) bv = row[j], best = j;
+  }
+  nan = false;
+  return best < 0 ? 0 : best;
+}
+
 #ifdef LS_X86
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) int64_t argmax512(
     const float* row, int64_t n, bool& nan) {
@@ -306,16 +323,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) int64_t argmax512(
   alignas(64) int32_t a[16];
   _mm512_store_ps(m, mx);
   _mm512_store_epi32(a, at);
-  int64_t best = -1;
-  float bv = -INFINITY;
-  for (int l = 0; l < 16; ++l)  // a lane never set (all -inf) holds place l, not yet seen
-    if (m[l] > bv || (m[l] == bv && a[l] < best && m[l] > -INFINITY)) bv = m[l], best = a[l];
-  for (; j < n; ++j) {
-    if (row[j] != row[j]) return argmax_scalar(row, n, nan);
-    if (row[j] > bv) bv = row[j], best = j;
-  }
-  nan = false;
-  return best < 0 ? 0 : best;
+  return argmax_lanes(m, a, 16, row, j, n, nan);
 }
 
 __attribute__((target("avx2,fma"))) int64_t argmax256(const float* row, int64_t n, bool& nan) {
@@ -337,16 +345,7 @@ __attribute__((target("avx2,fma"))) int64_t argmax256(const float* row, int64_t 
   alignas(32) int32_t a[8];
   _mm256_store_ps(m, mx);
   _mm256_store_si256(reinterpret_cast<__m256i*>(a), at);
-  int64_t best = -1;
-  float bv = -INFINITY;
-  for (int l = 0; l < 8; ++l)
-    if (m[l] > bv || (m[l] == bv && a[l] < best && m[l] > -INFINITY)) bv = m[l], best = a[l];
-  for (; j < n; ++j) {
-    if (row[j] != row[j]) return argmax_scalar(row, n, nan);
-    if (row[j] > bv) bv = row[j], best = j;
-  }
-  nan = false;
-  return best < 0 ? 0 : best;
+  return argmax_lanes(m, a, 8, row, j, n, nan);
 }
 #endif
 
