@@ -300,6 +300,46 @@ def test_attention_prefetch_changes_no_number(model_file: Path, attention: str) 
         lib.cs_lean_att_ahead(before)
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_attention_tasks_fetch_their_next_tasks_keys_and_change_no_number(
+    model_file: Path, attention: str
+) -> None:
+    """With int8 products (one parallel region) an attention task of several passes fetches
+    the keys and values of its thread's next task along them (cs_lean_att_lead lines a
+    step); a one-pass task (a decode step) does not. Off, 1 and 4 lines a step, 1 and 2
+    threads: the same logits bit for bit."""
+    if not quant_gemm.i8_available():
+        pytest.skip("no int8 product path on this CPU")
+    lib = quant_gemm.library()
+    assert lib is not None
+    before = lib.cs_lean_att_lead(0)
+    try:
+        runner = LeanRunner.from_gguf(model_file, max_length=352, attention=attention, int8=True)
+        v = runner.vocab_size
+        ref = _run_long(runner, 1)
+        for lead in (1, 4):
+            lib.cs_lean_att_lead(lead)
+            for threads in (1, 2):
+                got = _run_long(runner, threads)
+                for a, b in zip(got, ref, strict=True):
+                    assert torch.equal(a, b), f"lead={lead} threads={threads}"
+        lib.cs_lean_att_lead(1)
+        runner.reset()
+        runner.forward(_ids(300, 15, v))
+        led = lib.cs_lean_att_led()
+        runner.forward([3])  # one pass a task: nothing fetched ahead
+        assert lib.cs_lean_att_led() == led
+        runner.forward(_ids(16, 16, v))  # 3 chunks of keys, tasks of several passes
+        assert lib.cs_lean_att_led() > led
+        runner.truncate(301)
+        lib.cs_lean_att_lead(0)
+        led = lib.cs_lean_att_led()
+        runner.forward(_ids(16, 16, v))
+        assert lib.cs_lean_att_led() == led
+    finally:
+        lib.cs_lean_att_lead(before)
+
+
 def test_bf16_attention_on_the_cpus_own_dot_products_equals_the_fmas(model_file: Path) -> None:
     """Where the CPU has AVX512-BF16, bf16 attention through vdpbf16ps gives the very
     logits of the same path through FMAs (cs_lean_bf16_native(0)): prefill over several

@@ -1,7 +1,7 @@
 // The lean runner's decoder stack, written once over a 16-lane vector V (csrc/stack.cpp
 // includes this file once per ISA, inside that ISA's namespace and target options, after
 // defining V and its primitives: vzero vset vld vst vld_n vst_n vldh vadd vsub vmul vdiv
-// vfma vmax vmin vrint vexp2i vfirst vhsum vhmax, f2h for one value, and for the bf16
+// vfma vmax vmin vrint vldexp vfirst vhsum vhmax, f2h for one value, and for the bf16
 // attention vldbf2 (32 bf16 as their even and odd elements), vbfr (round 16 lanes to bf16,
 // store them, return their fp32 values), vftz (flush a denormal to zero where the FPU does
 // not) and FtzGuard (the FPU flushes denormal results while one lives); a namespace that
@@ -26,7 +26,7 @@ inline V vexp(V x) {  // exp(x), Cephes' 2^f polynomial (relative error ~2e-7)
   p = vfma(p, f, vset(2.402264791363012e-1f));
   p = vfma(p, f, vset(6.931472028550421e-1f));
   p = vfma(p, f, vset(1.0f));
-  return vmul(p, vexp2i(n));
+  return vldexp(p, n);
 }
 
 inline float sexp(float x) {  // the same exp for one value (lane 0)
@@ -160,11 +160,11 @@ inline void weigh_keys(const float* p, int64_t ld, int64_t nk, const uint16_t* c
 }
 
 // A chunk's softmax for R rows of scores s (rows CHUNK apart, ntile tiles of 16): each row's
-// weights p = exp(s - m) over its first nvalid keys (0 past them) replace its scores, and
-// m and the sum l of the weights go to part[r][0..1]. weights(e, r, t) gives tile t of
-// row r's weights as they weigh the values (fp32: e itself; bf16: e rounded), which are
-// the ones stored and summed.
-template <int R, class Weights>
+// weights p = exp(s - m) over its first nvalid keys (0 past them) replace its scores (Keep;
+// else they are only summed), and m and the sum l of the weights go to part[r][0..1].
+// weights(e, r, t) gives tile t of row r's weights as they weigh the values (fp32: e
+// itself; bf16: e rounded, its bits stored by weights), which are the ones summed.
+template <int R, bool Keep, class Weights>
 inline void chunk_softmax(float* s, const int64_t* nvalid, int64_t ntile, float* const* part,
                           Weights weights) {
   for (int r = 0; r < R; ++r) {
@@ -177,7 +177,7 @@ inline void chunk_softmax(float* s, const int64_t* nvalid, int64_t ntile, float*
     for (int64_t t = 0; t < ntile; ++t) {
       const V e = vfirst(vexp(vsub(vld(sr + 16 * t), vset(m))), nvalid[r] - 16 * t, vzero());
       const V p = weights(e, r, t);
-      vst(sr + 16 * t, p);
+      if constexpr (Keep) vst(sr + 16 * t, p);
       l = vadd(l, p);
     }
     part[r][0] = m;
@@ -199,7 +199,7 @@ void chunk_rows(const float* const* q, const int64_t* nvalid, int64_t nk, int64_
   int64_t i = 0;
   for (; i + TT <= ntile; i += TT) score_tiles<R, TT>(q, D, ktile + i, s + 16 * i, CHUNK, pf);
   for (; i < ntile; ++i) score_tiles<R, 1>(q, D, ktile + i, s + 16 * i, CHUNK, pf);
-  chunk_softmax<R>(s, nvalid, ntile, part, [](V e, int, int64_t) { return e; });
+  chunk_softmax<R, true>(s, nvalid, ntile, part, [](V e, int, int64_t) { return e; });
   constexpr int NC = value_chunks_for(R);
   for (int64_t dc = 0; dc < Dp;) {
     const int64_t left = (Dp - dc) / 16;
@@ -314,7 +314,8 @@ void chunk_rows_bf(const float* const* q, const uint16_t* const* qb, const int64
   for (; i + TT <= ntile; i += TT)
     score_tiles_bf<B, R, TT>(q, qb, D, ktile + i, s + 16 * i, CHUNK, pf);
   for (; i < ntile; ++i) score_tiles_bf<B, R, 1>(q, qb, D, ktile + i, s + 16 * i, CHUNK, pf);
-  chunk_softmax<R>(s, nvalid, ntile, part, [&sb](V e, int r, int64_t t) {
+  // (BfNative weighs the values with the weights' bits, sb; BfEmu with their values, s)
+  chunk_softmax<R, !B::native>(s, nvalid, ntile, part, [&sb](V e, int r, int64_t t) {
     return B::round(e, sb + r * CHUNK + 16 * t);
   });
   constexpr int NC = value_chunks_for(R);
@@ -435,7 +436,40 @@ void chunk_sources_bf(const Attn& A, int64_t h, const Task& tk, const uint16_t**
   }
 }
 
-void run_task(const Attn& A, int64_t h, const Task& tk) {
+// The keys of tk's chunk that token t (eligible) sees.
+inline int64_t keys_in(const Attn& A, int64_t t, const Task& tk) {
+  const int64_t c0 = tk.c * CHUNK;
+  return A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
+}
+
+// The cache lines shared task tk of head h reads: its chunk's K tiles, then its V rows
+// (bf16: whole pairs), as far as the most keys one of its tokens sees. Both layouts put
+// row r of head h at (h S_max + r) D for K and (h S_max + r) Dp for V, a chunk's rows in
+// one run.
+Lines chunk_lines(const Attn& A, int64_t h, const Task& tk) {
+  int64_t nkeys = 0;
+  for (int64_t t = tk.t0; t < tk.t1; ++t)
+    if (eligible(A, t, tk) && keys_in(A, t, tk) > nkeys) nkeys = keys_in(A, t, tk);
+  const int64_t c0 = tk.c * CHUNK;
+  const char* k0 = reinterpret_cast<const char*>(A.kc + (h * A.s_max + c0) * A.D);
+  const char* v0 = reinterpret_cast<const char*>(A.vc + (h * A.s_max + c0) * A.Dp);
+  const int64_t vkeys = A.bf16 ? (nkeys + 1) / 2 * 2 : nkeys;
+  return {k0, k0 + ((nkeys + 15) / 16) * A.D * 16 * 2, v0, v0 + vkeys * A.Dp * 2};
+}
+
+// What a thread's tasks pass on (team path): the lines of its next task's chunk that
+// the task before it has not fetched yet (set: that task fetched the others).
+struct Carry {
+  Lines rest;
+  bool set = false;
+  int64_t led = 0;  // lines fetched so for the next tasks, over this thread's tasks
+};
+
+// Task tk of head h. With carry, after names the thread's next task (head after_h): a task
+// of several passes fetches its chunk along them (Ahead::then), and leaves in carry what
+// it did not reach; carry comes in holding what is left of tk's own chunk.
+void run_task(const Attn& A, int64_t h, const Task& tk, Carry* carry = nullptr,
+              const Task* after = nullptr, int64_t after_h = 0) {
   thread_local std::vector<uint16_t> gbuf;
   const int64_t gsize = CHUNK * (A.D + (A.bf16 ? A.Dp : 0));
   if (tk.gathered && static_cast<int64_t>(gbuf.size()) < gsize) gbuf.resize(gsize);
@@ -446,34 +480,30 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
   else
     chunk_sources(A, h, tk, ktile, vrow, gbuf.data());
   FtzGuard ftz(A.bf16 && !A.native);  // the FMAs that stand in for vdpbf16ps flush as it does
-  const int64_t c0 = tk.c * CHUNK;
   const float* q[ATT_ROWS];
   const uint16_t* qb[ATT_ROWS];
   float* p[ATT_ROWS];
   int64_t nv[ATT_ROWS];
   int R = 0;
-  int64_t nk = 0;
-  // The keys of the chunk an eligible token t sees.
-  auto keys_of = [&](int64_t t) -> int64_t {
-    return A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
-  };
+  int64_t nk = 0, rows = 0;
+  for (int64_t t = tk.t0; t < tk.t1; ++t) rows += eligible(A, t, tk) ? A.G : 0;
   // The first pass over the chunk prefetches it (contiguous K tiles, then V rows), the
-  // later ones read it from cache.
+  // later ones read it from cache; with several passes, they fetch the next task's chunk.
   Ahead pf;
   const int64_t ahead = g_att_ahead.load(std::memory_order_relaxed);
   if (ahead > 0 && !tk.gathered) {
-    int64_t nkeys = 0;
-    for (int64_t t = tk.t0; t < tk.t1; ++t)
-      if (eligible(A, t, tk) && keys_of(t) > nkeys) nkeys = keys_of(t);
-    const char* k0 = reinterpret_cast<const char*>(ktile[0]);
-    const char* v0 = reinterpret_cast<const char*>(vrow[0]);
-    const int64_t vkeys = A.bf16 ? (nkeys + 1) / 2 * 2 : nkeys;  // bf16: whole pairs
-    pf = {k0, k0 + ((nkeys + 15) / 16) * A.D * 16 * 2, v0, v0 + vkeys * A.Dp * 2};
-    pf.step(static_cast<int>(ahead));  // the first `ahead` lines at once, then in step
+    pf.own = carry && carry->set ? carry->rest : chunk_lines(A, h, tk);
+    for (int64_t i = 0; i < ahead && !pf.own.empty(); ++i) pf.own.fetch();  // then in step
+  }
+  const bool lead = ahead > 0 && carry && after && g_att_lead.load(std::memory_order_relaxed) &&
+                    !after->gathered && rows > ATT_ROWS;
+  if (lead) {
+    pf.then = chunk_lines(A, after_h, *after);
+    pf.rate = g_att_lead.load(std::memory_order_relaxed);
   }
   for (int64_t t = tk.t0; t < tk.t1; ++t) {
     if (!eligible(A, t, tk)) continue;
-    const int64_t n = keys_of(t);
+    const int64_t n = keys_in(A, t, tk);
     for (int64_t g = 0; g < A.G; ++g) {
       const int64_t row = (h * A.T + t) * A.G + g;
       q[R] = A.qs + (t * A.NH + h * A.G + g) * A.D;
@@ -483,13 +513,18 @@ void run_task(const Attn& A, int64_t h, const Task& tk) {
       nk = n > nk ? n : nk;
       if (++R == ATT_ROWS) {
         chunk_call(A, R, q, qb, nv, nk, ktile, vrow, p, pf);
-        pf = Ahead{};
+        pf.own = Lines{};
         R = 0;
         nk = 0;
       }
     }
   }
   if (R) chunk_call(A, R, q, qb, nv, nk, ktile, vrow, p, pf);
+  if (carry) {
+    if (lead) carry->led += chunk_lines(A, after_h, *after).count() - pf.then.count();
+    carry->rest = pf.then;
+    carry->set = lead;
+  }
 }
 
 // The bf16 path as tests see it (cs_lean_bf16_probe): x (n values, a multiple of 16)
@@ -680,10 +715,17 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       rope_store(m, f, b.qkv.data(), b.qs.data(), b.qh.data(), kc, vc, r0, r1);
       bar.wait();
       const Attn A = plan.attn(m, f, kc, vc, b.qs.data(), b.qh.data(), b.o.data(), b.part.data());
-      for (int64_t i = next.fetch_add(1); i < ntask; i = next.fetch_add(1)) {
-        const int64_t nt = ntask / KV;
-        run_task(A, i / nt, plan.tasks[i % nt]);
+      // Tasks in turn, each thread taking its next one as it starts one (so that a task
+      // of several passes fetches the next one's keys and values along them).
+      const int64_t nt = ntask / KV;
+      Carry carry;
+      for (int64_t i = next.fetch_add(1); i < ntask;) {
+        const int64_t j = next.fetch_add(1);
+        const Task* after = j < ntask ? &plan.tasks[j % nt] : nullptr;
+        run_task(A, i / nt, plan.tasks[i % nt], &carry, after, j / nt);
+        i = j;
       }
+      if (carry.led) g_att_led.fetch_add(carry.led, std::memory_order_relaxed);
       bar.wait();
       int64_t a0, a1;
       share(mrows, a0, a1);
