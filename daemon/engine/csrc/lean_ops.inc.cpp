@@ -167,21 +167,41 @@ inline void weigh_keys(const float* p, int64_t ld, int64_t nk, const uint16_t* c
 template <int R, bool Keep, class Weights>
 inline void chunk_softmax(float* s, const int64_t* nvalid, int64_t ntile, float* const* part,
                           Weights weights) {
+  // The tiles every row sees whole go row by row inside each tile (independent chains for
+  // the CPU to overlap); each row's own tail after. Per row the same steps in tile order.
+  int64_t full[R], both = ntile;
+  for (int r = 0; r < R; ++r) {
+    full[r] = nvalid[r] / 16 < ntile ? nvalid[r] / 16 : ntile;
+    both = full[r] < both ? full[r] : both;
+  }
+  V mx[R], vm[R], l[R];
+  for (int r = 0; r < R; ++r) mx[r] = vset(-INFINITY);
+  for (int64_t t = 0; t < both; ++t)
+    for (int r = 0; r < R; ++r) mx[r] = vmax(mx[r], vld(s + r * CHUNK + 16 * t));
+  for (int r = 0; r < R; ++r) {
+    const float* sr = s + r * CHUNK;
+    for (int64_t t = both; t < ntile; ++t)
+      mx[r] = vmax(mx[r], vfirst(vld(sr + 16 * t), nvalid[r] - 16 * t, vset(-INFINITY)));
+    part[r][0] = vhmax(mx[r]);
+    vm[r] = vset(part[r][0]);
+    l[r] = vzero();
+  }
+  for (int64_t t = 0; t < both; ++t)
+    for (int r = 0; r < R; ++r) {
+      float* st = s + r * CHUNK + 16 * t;
+      const V p = weights(vexp(vsub(vld(st), vm[r])), r, t);
+      if constexpr (Keep) vst(st, p);
+      l[r] = vadd(l[r], p);
+    }
   for (int r = 0; r < R; ++r) {
     float* sr = s + r * CHUNK;
-    V mx = vset(-INFINITY);
-    for (int64_t t = 0; t < ntile; ++t)
-      mx = vmax(mx, vfirst(vld(sr + 16 * t), nvalid[r] - 16 * t, vset(-INFINITY)));
-    const float m = vhmax(mx);
-    V l = vzero();
-    for (int64_t t = 0; t < ntile; ++t) {
-      const V e = vfirst(vexp(vsub(vld(sr + 16 * t), vset(m))), nvalid[r] - 16 * t, vzero());
+    for (int64_t t = both; t < ntile; ++t) {  // (a tile past the row's keys: weights 0)
+      const V e = vfirst(vexp(vsub(vld(sr + 16 * t), vm[r])), nvalid[r] - 16 * t, vzero());
       const V p = weights(e, r, t);
       if constexpr (Keep) vst(sr + 16 * t, p);
-      l = vadd(l, p);
+      l[r] = vadd(l[r], p);
     }
-    part[r][0] = m;
-    part[r][1] = vhsum(l);
+    part[r][1] = vhsum(l[r]);
   }
 }
 
