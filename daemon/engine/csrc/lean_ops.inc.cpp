@@ -517,9 +517,11 @@ void run_task(const Attn& A, int64_t h, const Task& tk, Carry* carry = nullptr,
   }
   const bool lead = ahead > 0 && carry && after && g_att_lead.load(std::memory_order_relaxed) &&
                     !after->gathered && rows > ATT_ROWS;
+  int64_t then_lines = 0;
   if (lead) {
     pf.then = chunk_lines(A, after_h, *after);
     pf.rate = g_att_lead.load(std::memory_order_relaxed);
+    then_lines = pf.then.count();
   }
   for (int64_t t = tk.t0; t < tk.t1; ++t) {
     if (!eligible(A, t, tk)) continue;
@@ -541,7 +543,7 @@ void run_task(const Attn& A, int64_t h, const Task& tk, Carry* carry = nullptr,
   }
   if (R) chunk_call(A, R, q, qb, nv, nk, ktile, vrow, p, pf);
   if (carry) {
-    if (lead) carry->led += chunk_lines(A, after_h, *after).count() - pf.then.count();
+    carry->led += then_lines - pf.then.count();
     carry->rest = pf.then;
     carry->set = lead;
   }
