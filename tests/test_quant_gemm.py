@@ -338,6 +338,30 @@ def test_i8_prefetch_ahead_changes_no_number(qtype: str) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
+def test_i8_next_group_prefetch_level_changes_no_number(qtype: str) -> None:
+    """The many-row products fetch the next group of panels into L2 (the default) or L1
+    (cs_q_prefetch_level): a memory hint, the same products bit for bit for 5 to 16 rows;
+    the setter keeps its value for anything but 1 or 2."""
+    n, k = 16 * 9 + 5, k_for(qtype)  # 10 panels: two full groups of four and a partial one
+    raw = random_gguf(qtype, n, k, seed=37)
+    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))  # (16, K)
+    lib = quant_gemm.library()
+    before = lib.cs_q_prefetch_level(2)
+    try:
+        assert lib.cs_q_prefetch_level(0) == 2 and lib.cs_q_prefetch_level(-1) == 2
+        want = {m: quant_gemm.linear_i8(x[:m], qm, threads=1) for m in (5, 8, 9, 16)}
+        assert lib.cs_q_prefetch_level(1) == 2
+        for m in (5, 8, 9, 16):
+            for threads in (1, 2):
+                y = quant_gemm.linear_i8(x[:m], qm, threads=threads)
+                assert torch.equal(y, want[m]), f"{qtype} L1 M={m} threads={threads}"
+    finally:
+        lib.cs_q_prefetch_level(before)
+
+
+@needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 def test_i8_rows_equal_one_row_products_bit_for_bit(qtype: str) -> None:
     n, k = 67, k_for(qtype)

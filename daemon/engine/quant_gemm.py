@@ -73,6 +73,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name, res, args in (
         ("cs_q_version", i32, []),
         ("cs_q_prefetch_ahead", i64, [i64]),
+        ("cs_q_prefetch_level", i32, [i32]),
         ("cs_q_isa_ok", i32, [i32]),
         ("cs_q_block_bytes", i64, [i32]),
         ("cs_q_pack", None, [i32, ptr, i64, i64, ptr]),

@@ -488,6 +488,20 @@ std::atomic<int64_t> g_prefetch_ahead{[] {
 }()};
 inline int64_t prefetch_ahead() { return g_prefetch_ahead.load(std::memory_order_relaxed); }
 
+// The cache the many-row int8 products fetch the next group of panels into (Trickle): 2,
+// L2 (prefetcht1, the default), or 1, L1 (prefetcht0; CODESPEC_PREFETCH_LEVEL or
+// cs_q_prefetch_level, for comparisons). The group they read from cache meanwhile (39 KB
+// for the LM head) does not fit L1 beside x, and fetching the next one into L1 pushed it
+// out. Measured on a Zen 4 VM, 2 threads: the LM head (49152 x 576 Q8_0) alone, two builds
+// alternating three times, 8 rows 1.85 / 1.80 -> 1.42 / 1.45 ms, 16 rows 2.50 / 2.33 ->
+// 2.02 / 2.06 (medians of 60); whole forwards in one process alternating (41 reps), 8
+// tokens at 256 / 1,300 / 4,000 cached 9.58 / 12.87 / 21.76 -> 8.34 / 12.04 / 21.10 ms,
+// 16 tokens 14.95 / 21.52 / 36.78 -> 14.48 / 21.19 / 36.87 (a busy machine).
+std::atomic<int32_t> g_prefetch_level{[] {
+  const char* e = std::getenv("CODESPEC_PREFETCH_LEVEL");
+  return e && e[0] == '1' ? 1 : 2;
+}()};
+
 // Rows this many at a time in the scratch paths: x's slice stays in L2 (64 x K floats)
 // while every panel is widened once for it.
 constexpr int64_t ROW_CHUNK = 64;
@@ -1162,6 +1176,12 @@ int cs_q_version() { return 1; }
 // Set how many blocks ahead the 1-4 row int8 products prefetch; returns the old value.
 int64_t cs_q_prefetch_ahead(int64_t n) { return g_prefetch_ahead.exchange(n); }
 
+// Set the cache level (1: L1, 2: L2) the many-row int8 products fetch the next group of
+// panels into (g_prefetch_level); another value leaves it. Returns the old value.
+int cs_q_prefetch_level(int level) {
+  return level == 1 || level == 2 ? g_prefetch_level.exchange(level) : g_prefetch_level.load();
+}
+
 // Whether this CPU runs isa (0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW/VL/DQ, 3 the same
 // with VNNI).
 int cs_q_isa_ok(int isa) { return isa_ok(isa) ? 1 : 0; }
@@ -1498,6 +1518,7 @@ struct Trickle {
   const uint8_t* p;
   const uint8_t* end;
   int64_t step;
+  bool l2;  // into L2 (g_prefetch_level), else L1
 };
 
 // MR rows (from m) x NP panels (from p, one group), integer dot products with vpdpbusd.
@@ -1523,8 +1544,12 @@ void direct(const ArgsI8& ai, int64_t m, int64_t p, Trickle* tr = nullptr) {
     for (int j = 0; j < F::BK / F::SUB; ++j) {
       const int64_t k0 = b * F::BK + j * F::SUB;
       if (tr)
-        for (int64_t i = 0; i < tr->step && tr->p < tr->end; ++i, tr->p += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(tr->p), _MM_HINT_T0);
+        for (int64_t i = 0; i < tr->step && tr->p < tr->end; ++i, tr->p += 64) {
+          if (tr->l2)
+            _mm_prefetch(reinterpret_cast<const char*>(tr->p), _MM_HINT_T1);
+          else
+            _mm_prefetch(reinterpret_cast<const char*>(tr->p), _MM_HINT_T0);
+        }
       V sc[NP], off[NP];
       for (int q = 0; q < NP; ++q) {
         z512::scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
@@ -1614,13 +1639,14 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
       // each later pass takes its slice of the next group a few lines per sub-block: issued
       // all at once before the pass, the fetches waited on a full set of line-fill buffers
       // (the prefetch instructions held ~7% of a 16-token forward's samples, SPR)
-      Trickle tr{nullptr, nullptr, 0};
+      Trickle tr{nullptr, nullptr, 0, true};
       if (m > 0 && next && prefetch_on()) {
         const int64_t s0 = nbytes * (m / 4 - 1) / (passes - 1);
         const int64_t s1 = nbytes * (m / 4) / (passes - 1);
         const int64_t subs = (end - p + 1) / 2 * (ai.a.K / Tr<T>::SUB);  // this pass's
         const int64_t lines = (s1 - (s0 & ~int64_t{63}) + 63) / 64;
-        tr = {next + (s0 & ~int64_t{63}), next + s1, (lines + subs - 1) / subs};
+        tr = {next + (s0 & ~int64_t{63}), next + s1, (lines + subs - 1) / subs,
+              g_prefetch_level.load(std::memory_order_relaxed) != 1};
       }
       switch (M - m < 4 ? M - m : 4) {
         case 1: range<T, 1, 2>(ai, m, p, end, &tr); break;
