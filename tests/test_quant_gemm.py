@@ -314,25 +314,35 @@ def test_i8_variant_is_exact_but_for_rounding_x(qtype: str) -> None:
             assert_close(y, x, w, bias + res, "against unrounded x")
 
 
+def _ten_panels(qtype: str, seed: int, rows: int) -> tuple[QuantMatrix, torch.Tensor]:
+    """A matrix of 10 panels (two full groups of four and a partial one) and ``rows`` rows
+    of x for it."""
+    n, k = 16 * 9 + 5, k_for(qtype)
+    qm = QuantMatrix.from_bytes(random_gguf(qtype, n, k, seed=seed), qtype, n, k)
+    return qm, torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))  # (rows, K)
+
+
+def _assert_same_products(qm: QuantMatrix, x: torch.Tensor, want: dict, label: str) -> None:
+    """The int8 products of x's first M rows on 1 and 2 threads equal want[M] bit for bit."""
+    for m, y in want.items():
+        for threads in (1, 2):
+            got = quant_gemm.linear_i8(x[:m], qm, threads=threads)
+            assert torch.equal(got, y), f"{label} M={m} threads={threads}"
+
+
 @needs_kernel
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q6_K"])
 def test_i8_prefetch_ahead_changes_no_number(qtype: str) -> None:
     """The 1-4 row products' software prefetch (any distance, also past the matrix's last
     group, and off) is a memory hint: the same products bit for bit."""
-    n, k = 16 * 9 + 5, k_for(qtype)  # 10 panels: two full groups of four and a partial one
-    raw = random_gguf(qtype, n, k, seed=31)
-    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
-    x = torch.randn(4, k, generator=torch.Generator().manual_seed(3))  # (4, K)
+    qm, x = _ten_panels(qtype, 31, 4)
     lib = quant_gemm.library()
     before = lib.cs_q_prefetch_ahead(4)
     try:
         want = {m: quant_gemm.linear_i8(x[:m], qm, threads=1) for m in (1, 2, 3, 4)}
         for ahead in (0, 1, 3, 64):
             lib.cs_q_prefetch_ahead(ahead)
-            for m in (1, 2, 3, 4):
-                for threads in (1, 2):
-                    y = quant_gemm.linear_i8(x[:m], qm, threads=threads)
-                    assert torch.equal(y, want[m]), f"{qtype} ahead={ahead} M={m}"
+            _assert_same_products(qm, x, want, f"{qtype} ahead={ahead}")
     finally:
         lib.cs_q_prefetch_ahead(before)
 
@@ -343,20 +353,14 @@ def test_i8_next_group_prefetch_level_changes_no_number(qtype: str) -> None:
     """The many-row products fetch the next group of panels into L2 (the default) or L1
     (cs_q_prefetch_level): a memory hint, the same products bit for bit for 5 to 16 rows;
     the setter keeps its value for anything but 1 or 2."""
-    n, k = 16 * 9 + 5, k_for(qtype)  # 10 panels: two full groups of four and a partial one
-    raw = random_gguf(qtype, n, k, seed=37)
-    qm = QuantMatrix.from_bytes(raw, qtype, n, k)
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))  # (16, K)
+    qm, x = _ten_panels(qtype, 37, 16)
     lib = quant_gemm.library()
     before = lib.cs_q_prefetch_level(2)
     try:
         assert lib.cs_q_prefetch_level(0) == 2 and lib.cs_q_prefetch_level(-1) == 2
         want = {m: quant_gemm.linear_i8(x[:m], qm, threads=1) for m in (5, 8, 9, 16)}
         assert lib.cs_q_prefetch_level(1) == 2
-        for m in (5, 8, 9, 16):
-            for threads in (1, 2):
-                y = quant_gemm.linear_i8(x[:m], qm, threads=threads)
-                assert torch.equal(y, want[m]), f"{qtype} L1 M={m} threads={threads}"
+        _assert_same_products(qm, x, want, f"{qtype} L1")
     finally:
         lib.cs_q_prefetch_level(before)
 
