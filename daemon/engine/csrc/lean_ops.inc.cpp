@@ -515,12 +515,12 @@ void run_task(const Attn& A, int64_t h, const Task& tk, Carry* carry = nullptr,
     pf.own = carry && carry->set ? carry->rest : chunk_lines(A, h, tk);
     for (int64_t i = 0; i < ahead && !pf.own.empty(); ++i) pf.own.fetch();  // then in step
   }
-  const bool lead = ahead > 0 && carry && after && g_att_lead.load(std::memory_order_relaxed) &&
-                    !after->gathered && rows > ATT_ROWS;
+  const int rate = g_att_lead.load(std::memory_order_relaxed);
+  const bool lead = ahead > 0 && rate > 0 && carry && after && !after->gathered && rows > ATT_ROWS;
   int64_t then_lines = 0;
   if (lead) {
     pf.then = chunk_lines(A, after_h, *after);
-    pf.rate = g_att_lead.load(std::memory_order_relaxed);
+    pf.rate = rate;
     then_lines = pf.then.count();
   }
   for (int64_t t = tk.t0; t < tk.t1; ++t) {

@@ -163,8 +163,9 @@ struct Lines {
 
 // Attention's software prefetch, stepped by its dot loops: step(n) fetches the next n lines
 // of `own` (the chunk the task reads, `ahead` lines past what the kernel reads, during its
-// first pass) and one line of `then` (the chunk of the thread's next task, along all the
-// passes of a task that has several: its keys and values arrive while this task computes).
+// first pass) and `rate` lines of `then` (the chunk of the thread's next task, along all
+// the passes of a task that has several: its keys and values arrive while this task
+// computes).
 struct Ahead {
   Lines own, then;
   int rate = 0;  // lines of `then` a step
