@@ -7,6 +7,7 @@ not the default model's speed.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -220,3 +221,50 @@ def test_an_exact_prediction_drafts_the_whole_output(tmp_path, capsys, model):
     fewer = exact["ngram@64"]["target_forwards"]
     assert 2 * fewer <= old_draft["ngram@64"]["target_forwards"]
     assert exact["ngram@64"]["tokens"] >= 2 * fewer
+
+
+def test_rounds_count_each_methods_fastest_run_and_every_rounds_output():
+    """``--rounds``: a prompt's time is each method's fastest round (wall and decode time
+    each), its tokens the first round's; it equals off only if every round did."""
+    from codespec.daemon.bench.methods import Run, _accumulate
+
+    off = [Run(4, 4, 90.0, [1, 2, 3, 4], 30.0), Run(4, 4, 80.0, [1, 2, 3, 4], 25.0)]
+    ngram = [Run(4, 2, 50.0, [1, 2, 3, 4], 35.0), Run(4, 2, 60.0, [1, 2, 3, 9], 10.0)]
+    aggs: dict = {}
+    _accumulate(aggs, {"all"}, {"off": off, "ngram": ngram})
+    a, o = aggs[("all", "ngram")], aggs[("all", "off")]
+    assert (a.prompts, a.tokens, a.forwards) == (1, 4, 2)
+    assert (a.ms, a.off_ms) == (50.0, 80.0)
+    assert (a.decode_ms, a.off_decode_ms) == (15.0, 55.0)  # 50 - 35 vs 60 - 10: the 2nd
+    assert a.equal == 0 and o.equal == 1  # ngram's second round wrote another token
+
+
+def test_methods_bench_runs_rounds(tmp_path, capsys, model):
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps({"id": "a", "prompt": "def add(a, b):\n", "max_tokens": 6}))
+    assert dispatch([str(wl), "--methods", "off,ngram", "--rounds", "3", *model]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["rounds"] == 3
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["ngram"]["prompts"] == 1 and rows["ngram"]["equal_to_off"] == 1
+    assert rows["off"]["tokens"] == rows["ngram"]["tokens"] > 0
+    line = next(ln for ln in captured.err.splitlines() if "[1/1]" in ln)
+    assert re.search(r"off \d+/\d+/\d+ms/\d+f", line), line  # each round's time
+    with pytest.raises(SystemExit):
+        dispatch([str(wl), "--rounds", "0", *model])
+
+
+def test_an_edit_items_drafts_get_the_daemons_edit_budget():
+    """The bench verifies what the daemon would: an ``edit`` request's drafts may run to
+    EDIT_DRAFT tokens (handlers raise max_draft to it), others the configured budget;
+    ``NAME@K`` sets it either way."""
+    from codespec.daemon.bench.methods import draft_budget
+    from codespec.daemon.prompts.completion import EDIT_DRAFT
+
+    edit, completion = {"new": "x", "old": "y"}, {"prefix": "def f"}
+    assert EDIT_DRAFT > 16
+    assert draft_budget("ngram", edit, 16) == EDIT_DRAFT
+    assert draft_budget("auto", edit, 2 * EDIT_DRAFT) == 2 * EDIT_DRAFT
+    assert draft_budget("ngram", completion, 16) == 16
+    assert draft_budget("ngram@8", edit, 16) == 8

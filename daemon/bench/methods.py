@@ -9,7 +9,10 @@ Methods: ``off`` (plain greedy decoding in our engine), any proposer name
 (``ngram``, ``auto``, ...), and the peers a user reaches for first: ``hf``
 (transformers ``generate()``) and ``hf-pld`` (``generate(prompt_lookup_num_tokens=...)``),
 on the same model and the same prompt tokens. Methods alternate per prompt so
-machine noise hits them alike; the KV cache is emptied before every run.
+machine noise hits them alike; the KV cache is emptied before every run. With
+``--rounds N`` each prompt runs N times per method (each round starting with the
+next method) and each method's fastest round counts. An edit item's drafts get
+the budget the daemon's ``edit`` requests get (``NAME@K`` sets it).
 
 Reported per method (and per workload kind): tokens, target forwards, tokens
 per forward (prefill counted as a forward), wall ms, speedup vs ``off``
@@ -260,7 +263,23 @@ def _parser() -> argparse.ArgumentParser:
         "by design, and the HF peers, greedy only, are left out)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt n uses seed + n)")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run every prompt this many times per method, each round starting with the "
+        "next method; each method's fastest round counts (a shared machine's noise only "
+        "ever adds time)",
+    )
     return p
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_methods(text: str, peers: tuple[str, ...] = PEERS) -> tuple[list[str], list[str]]:
@@ -284,28 +303,55 @@ def run_method(
     prompt, max_tokens, draft_ids, heal = prepared
     if index is not None and item.get("uri") in index:
         index.touch(item["uri"])
-    name, _, cap = method.partition("@")
-    max_draft = int(cap) if cap else args.max_draft
+    name = method.partition("@")[0]
     return run_engine(
-        engine, name, prompt, max_tokens, index, item.get("uri"), draft_ids, max_draft,
-        args.temperature, seed, heal,
+        engine, name, prompt, max_tokens, index, item.get("uri"), draft_ids,
+        draft_budget(method, item, args.max_draft), args.temperature, seed, heal,
     )  # fmt: skip
 
 
-def _accumulate(aggs: dict[tuple[str, str], Agg], kinds: set[str], runs: dict[str, Run]) -> None:
-    """Add one prompt's runs to the sums of each of ``kinds`` (``all`` and the item's)."""
+def draft_budget(method: str, item: dict[str, Any], max_draft: int) -> int:
+    """The draft tokens a forward may verify for ``method`` on ``item``: K for ``NAME@K``;
+    else ``max_draft``, raised for an edit item to what the daemon's ``edit`` requests get
+    (:data:`~codespec.daemon.prompts.completion.EDIT_DRAFT`).
+
+    >>> draft_budget("ngram", {"new": "x"}, 16), draft_budget("ngram", {"prefix": "x"}, 16)
+    (64, 16)
+    >>> draft_budget("ngram@8", {"new": "x"}, 16)
+    8
+    """
+    from codespec.daemon.prompts.completion import EDIT_DRAFT
+
+    cap = method.partition("@")[2]
+    if cap:
+        return int(cap)
+    return max(max_draft, EDIT_DRAFT) if "new" in item else max_draft
+
+
+def _accumulate(
+    aggs: dict[tuple[str, str], Agg], kinds: set[str], runs: dict[str, list[Run]]
+) -> None:
+    """Add one prompt's runs to the sums of each of ``kinds`` (``all`` and the item's).
+
+    ``runs``: each method's runs of the prompt (one a round). The time counted is the
+    fastest round's (wall time and decode time each on its own: a shared machine's noise
+    only ever adds time); tokens and forwards are the first round's, and a method equals
+    off only if every round of it wrote off's first round's tokens.
+    """
     off = runs["off"]
+    off_ms = min(r.ms for r in off)
+    off_decode = min(r.ms - r.first_ms for r in off)
     for kind in kinds:
-        for m, r in runs.items():
+        for m, rs in runs.items():
             a = aggs.setdefault((kind, m), Agg())
             a.prompts += 1
-            a.tokens += r.tokens
-            a.forwards += r.forwards
-            a.ms += r.ms
-            a.off_ms += off.ms
-            a.decode_ms += r.ms - r.first_ms
-            a.off_decode_ms += off.ms - off.first_ms
-            a.equal += int(r.ids == off.ids)
+            a.tokens += rs[0].tokens
+            a.forwards += rs[0].forwards
+            a.ms += min(r.ms for r in rs)
+            a.off_ms += off_ms
+            a.decode_ms += min(r.ms - r.first_ms for r in rs)
+            a.off_decode_ms += off_decode
+            a.equal += int(all(r.ids == off[0].ids for r in rs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,17 +393,23 @@ def main(argv: list[str] | None = None) -> int:
     items_kinds = {item.get("kind", "prompt") for item in items}
     matches_new = edits = 0  # edit items whose plain output is the new version
     for n, item in enumerate(items):
-        order = methods[n % len(methods) :] + methods[: n % len(methods)]
-        runs = {m: one(m, n) for m in order}
+        runs: dict[str, list[Run]] = {m: [] for m in methods}
+        for k in range(args.rounds):  # each round starts with the next method
+            at = (n + k) % len(methods)
+            for m in methods[at:] + methods[:at]:
+                runs[m].append(one(m, n))
         if "new" in item:
-            produced = engine.decode(runs["off"].ids)
+            produced = engine.decode(runs["off"][0].ids)
             matches_new += int(produced.rstrip() == item["new"].rstrip())
             edits += 1
         kinds = {"all", item.get("kind", "prompt")} if len(items_kinds) > 1 else {"all"}
         _accumulate(aggs, kinds, runs)
         print(
             f"  [{n + 1}/{len(items)}] {item.get('id', n)}: "
-            + "  ".join(f"{m} {r.ms:.0f}ms/{r.forwards}f" for m, r in runs.items()),
+            + "  ".join(
+                f"{m} {'/'.join(f'{r.ms:.0f}' for r in rs)}ms/{rs[0].forwards}f"
+                for m, rs in runs.items()
+            ),
             file=sys.stderr,
         )
     if edits:
@@ -485,6 +537,7 @@ def print_table(
                 "device": engine.device.type,
                 "runner": engine.runner.name,
                 "prediction": args.prediction,
+                "rounds": args.rounds,
                 **extra,
                 "rows": rows,
             }

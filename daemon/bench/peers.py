@@ -218,16 +218,16 @@ class Workload:
 
     def codespec(self, method: str, n: int) -> Timed:
         """codespec's ``method`` on prompt n, timed as ``codespec bench`` times it."""
-        from codespec.daemon.bench.methods import run_engine
+        from codespec.daemon.bench.methods import draft_budget, run_engine
 
         item = self.items[n]
         prompt, max_tokens, draft_ids, heal = self.prompts[n]
         index = self.indexes[self.which[n]]
         if index is not None and item.get("uri") in index:
             index.touch(item["uri"])
-        name, _, cap = method.partition("@")
-        r = run_engine(self.engine, name, prompt, max_tokens, index, item.get("uri"), draft_ids,
-                       int(cap) if cap else self.args.max_draft, 0.0, 0, heal)  # fmt: skip
+        budget = draft_budget(method, item, self.args.max_draft)
+        r = run_engine(self.engine, method.partition("@")[0], prompt, max_tokens, index,
+                       item.get("uri"), draft_ids, budget, 0.0, 0, heal)  # fmt: skip
         return Timed(max(0, r.tokens - 1), max(1e-9, (r.ms - r.first_ms) / 1000), len(prompt),
                      max(1e-9, r.first_ms / 1000), r.tokens, self.engine.decode(r.ids),
                      list(r.ids), r.forwards)  # fmt: skip

@@ -250,7 +250,7 @@ class Methods:
         params, speculation = self._sampling(
             p, min(limit, len(srv.engine.encode(draft)) * 3 // 2 + 32)
         )
-        params.max_draft = max(params.max_draft, 64)
+        params.max_draft = max(params.max_draft, completion.EDIT_DRAFT)
         ep = completion.edit_prompt(
             srv.engine, doc.text, start, end, draft, p.instruction, doc.language,
             params.max_tokens, p.mode, srv.config.limits.context_tokens,
