@@ -210,7 +210,15 @@ def test_decode_rows_equal_verify_rows(model_file: Path, attention: str) -> None
     decode = torch.cat([lean.forward([t]).logits for t in draft])
     assert torch.equal(verify, decode)
     lean.truncate(len(prompt))
+    lib = quant_gemm.library()
+    gathered = lib.cs_lean_att_gathered() if lib is not None else 0
     tree = lean.forward(draft[:6], [-1, 0, 0, 2, -1, 4]).logits  # paths 0-2-3 and 4-5
+    if lib is not None:
+        # tokens 2 to 5 see other keys than the cache's rows in order: each gathers its
+        # keys of the chunk past the cache (128-255) into its own tiles, one tile of 16
+        # (it sees at most 2 + 4 of them), not the chunk's 8
+        tiles = 4 * lean.num_layers * lean.n_kv
+        assert lib.cs_lean_att_gathered() - gathered == 16 * tiles
     lean.keep([0, 2, 3])
     after = lean.forward([draft[6]]).logits
     lean.truncate(len(prompt))
@@ -219,6 +227,16 @@ def test_decode_rows_equal_verify_rows(model_file: Path, attention: str) -> None
     assert torch.equal(after, path[3:])
     lean.truncate(len(prompt))
     assert torch.equal(lean.forward(draft[4:6], [-1, 0]).logits, tree[4:6])
+    # a branch off a chain: its keys gather pairs of rows that lie side by side (130, 131)
+    # and ones that do not (132 with 135)
+    lean.truncate(len(prompt))
+    branch = lean.forward(draft[:6], [-1, 0, 1, 2, 3, 2]).logits
+    lean.keep([0, 1, 2, 5])
+    after = lean.forward([draft[6]]).logits
+    lean.truncate(len(prompt))
+    path = torch.cat([lean.forward([draft[i]]).logits for i in (0, 1, 2, 5, 6)])
+    assert torch.equal(branch[[0, 1, 2, 5]], path[:4])
+    assert torch.equal(after, path[4:])
 
 
 def _run(runner: LeanRunner, v: int) -> list[torch.Tensor]:

@@ -364,6 +364,12 @@ void chunk_any_bf(int R, const float* const* q, const uint16_t* const* qb, const
   }
 }
 
+// The keys of tk's chunk that token t (eligible) sees.
+inline int64_t keys_in(const Attn& A, int64_t t, const Task& tk) {
+  const int64_t c0 = tk.c * CHUNK;
+  return A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
+}
+
 // The key sources of chunk c for head h: tiles of K and rows of V in list order. Shared
 // tasks read the cache as it lies; a tree token's chunk past the cache gathers its
 // ancestors' keys (tiles holding positions >= past) into gbuf.
@@ -380,12 +386,15 @@ void chunk_sources(const Attn& A, int64_t h, const Task& tk, const uint16_t** kt
   const int64_t t = tk.t0, L = A.len[t];
   const int64_t* vis = A.vis + A.vis_off[t];
   auto row_of = [&](int64_t p) { return p < A.past ? p : A.past + vis[p - A.past]; };
-  for (int64_t i = 0; i < CHUNK / 16; ++i) {
+  // only the tiles holding keys the token sees: the rest of the chunk is never read
+  int64_t copied = 0;
+  for (int64_t i = 0; i < (keys_in(A, t, tk) + 15) / 16; ++i) {
     const int64_t p0 = c0 + 16 * i;
     if (p0 + 16 <= A.past) {
       ktile[i] = kh + (p0 / 16) * D * 16;
       continue;
     }
+    copied += 16;
     uint16_t* g = gbuf + i * D * 16;
     for (int64_t lane = 0; lane < 16; ++lane) {
       const int64_t p = p0 + lane;
@@ -395,6 +404,7 @@ void chunk_sources(const Attn& A, int64_t h, const Task& tk, const uint16_t** kt
     }
     ktile[i] = g;
   }
+  g_att_gathered.fetch_add(copied, std::memory_order_relaxed);
   for (int64_t j = 0; j < CHUNK; ++j) {
     const int64_t p = c0 + j;
     vrow[j] = vh + (p < L ? row_of(p) : 0) * Dp;
@@ -430,36 +440,48 @@ void chunk_sources_bf(const Attn& A, int64_t h, const Task& tk, const uint16_t**
   for (int64_t i = 0; i < CHUNK / 16; ++i) ktile[i] = kh + k_at(A.s_max, D, 0, c0 + 16 * i, 0);
   for (int64_t j = 0; j < CHUNK / 2; ++j) vpair[j] = vh + v_at(A.s_max, Dp, 0, c0 + 2 * j, 0);
   if (!tk.gathered) return;
-  const int64_t t = tk.t0, L = A.len[t];
+  const int64_t t = tk.t0, L = A.len[t], nk = keys_in(A, t, tk);
   const int64_t* vis = A.vis + A.vis_off[t];
   auto row_of = [&](int64_t p) { return p >= L ? -1 : p < A.past ? p : A.past + vis[p - A.past]; };
-  for (int64_t i = 0; i < CHUNK / 16; ++i) {
+  // Only the tiles and pairs holding keys the token sees (the rest of the chunk is never
+  // read); a key's dims go two at a time (a lane's pair of bf16 is 4 bytes in both
+  // layouts), a pair of V rows that lie side by side in the cache at once.
+  int64_t copied = 0;
+  for (int64_t i = 0; i < (nk + 15) / 16; ++i) {
     const int64_t p0 = c0 + 16 * i;
     if (p0 + 16 <= A.past) continue;
+    copied += 16;
     uint16_t* g = gk + i * D * 16;
     for (int64_t lane = 0; lane < 16; ++lane) {
       const int64_t r = row_of(p0 + lane);
-      for (int64_t d = 0; d < D; ++d)
-        g[k_at(0, D, 0, lane, d)] = r < 0 ? 0 : kh[k_at(A.s_max, D, 0, r, d)];
+      uint16_t* dst = g + k_at(0, D, 0, lane, 0);
+      const uint16_t* src = r < 0 ? nullptr : kh + k_at(A.s_max, D, 0, r, 0);
+      for (int64_t d = 0; d + 1 < D; d += 2) {  // dims d, d + 1: 4 bytes, 32 apart a pair
+        if (src)
+          memcpy(dst + 16 * d, src + 16 * d, 4);
+        else
+          memset(dst + 16 * d, 0, 4);
+      }
+      if (D & 1) dst[16 * (D - 1)] = src ? src[16 * (D - 1)] : 0;  // (k_at: the last dim)
     }
     ktile[i] = g;
   }
-  for (int64_t j = 0; j < CHUNK / 2; ++j) {
+  g_att_gathered.fetch_add(copied, std::memory_order_relaxed);
+  for (int64_t j = 0; j < (nk + 1) / 2; ++j) {
     const int64_t p0 = c0 + 2 * j;
     if (p0 + 2 <= A.past) continue;
     uint16_t* g = gv + j * Dp * 2;
-    for (int64_t e = 0; e < 2; ++e) {
-      const int64_t r = row_of(p0 + e);
-      for (int64_t d = 0; d < Dp; ++d) g[2 * d + e] = r < 0 ? 0 : vh[v_at(A.s_max, Dp, 0, r, d)];
+    const int64_t r0 = row_of(p0), r1 = row_of(p0 + 1);
+    if (r0 >= 0 && r1 == r0 + 1 && (r0 & 1) == 0) {  // a pair of the cache as it lies
+      memcpy(g, vh + v_at(A.s_max, Dp, 0, r0, 0), 2 * Dp * sizeof(uint16_t));
+    } else {
+      for (int64_t e = 0; e < 2; ++e) {
+        const int64_t r = e ? r1 : r0;
+        for (int64_t d = 0; d < Dp; ++d) g[2 * d + e] = r < 0 ? 0 : vh[v_at(A.s_max, Dp, 0, r, d)];
+      }
     }
     vpair[j] = g;
   }
-}
-
-// The keys of tk's chunk that token t (eligible) sees.
-inline int64_t keys_in(const Attn& A, int64_t t, const Task& tk) {
-  const int64_t c0 = tk.c * CHUNK;
-  return A.len[t] - c0 < CHUNK ? A.len[t] - c0 : CHUNK;
 }
 
 // The cache lines shared task tk of head h reads: its chunk's K tiles, then its V rows
