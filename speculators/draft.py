@@ -176,42 +176,28 @@ class Draft:
 
     @staticmethod
     def from_paths(
-        paths: Sequence[tuple[Sequence[int], str]],
-        matches: Sequence[int] | None = None,
-        limit: int | None = None,
+        paths: Sequence[tuple[Sequence[int], str]], matches: Sequence[int] | None = None
     ) -> Draft:
         """A tree from several candidate continuations, sharing common prefixes; with
         ``matches`` (one per path: the match it was copied after), a shared node keeps
         the longest (so ``match`` is the longest of all).
 
-        ``limit``: the first ``limit`` nodes only, what ``truncated(limit)`` would keep,
-        without walking the paths past them (the n-gram proposer's candidates held ~8 times
-        the nodes it keeps). With ``matches`` the paths must come longest match first, so
-        that no path left out would have raised a kept node's match.
-
         >>> d = Draft.from_paths([([5, 6, 7], "a"), ([5, 8], "b")], [2, 6])
         >>> d.tokens, d.parents, d.matches, d.match
         ([5, 6, 7, 8], [-1, 0, 1, 0], [6, 2, 2, 6], 6)
-        >>> Draft.from_paths([([5, 6, 7], "a"), ([5, 8], "b")], limit=2).tokens
-        [5, 6]
         """
         tokens: list[int] = []
         parents: list[int] = []
         sources: list[str] = []
         per_node: list[int] = []
         node_of: dict[tuple[int, int], int] = {}
-        full = limit if limit is not None else -1
         for j, (path, source) in enumerate(paths):
-            if len(tokens) == full:
-                break
             n = matches[j] if matches is not None else 0
             parent = -1
             for tok in path:
                 key = (parent, int(tok))
                 node = node_of.get(key)
                 if node is None:
-                    if len(tokens) == full:
-                        break  # every later node of this path would be past the limit
                     node = len(tokens)
                     node_of[key] = node
                     tokens.append(int(tok))

@@ -314,7 +314,7 @@ class NgramProposer:
                     matches.append(n)
         if not paths:
             return None
-        return Draft.from_paths(paths, matches, limit=SPREAD * budget)
+        return Draft.from_paths(paths, matches).truncated(SPREAD * budget)
 
     def observe(self, result: StepResult) -> None:
         """Nothing to learn: the next ``propose`` reads the context as it is."""

@@ -35,19 +35,6 @@ def test_truncated_keeps_a_tree():
     assert d.parents == [-1, 0, 1, -1]
 
 
-def test_a_limit_builds_what_truncation_keeps():
-    """from_paths(limit=k) stops walking the paths at k nodes and gives what truncated(k)
-    keeps of the whole tree: nodes, sources, per-node matches, the longest match (paths
-    longest match first, as the n-gram proposer hands them)."""
-    paths = [([5, 6, 7, 8], "a"), ([5, 6, 9], "b"), ([5, 2, 3], "b"), ([4, 1], "c")]
-    matches = [8, 5, 5, 2]
-    whole = Draft.from_paths(paths, matches)
-    for k in range(1, len(whole.tokens) + 2):
-        cut, built = whole.truncated(k), Draft.from_paths(paths, matches, limit=k)
-        assert (built.tokens, built.parents) == (cut.tokens, cut.parents), k
-        assert (built.sources, built.matches, built.match) == (cut.sources, cut.matches, 8)
-
-
 def test_parent_must_precede_child():
     with pytest.raises(ValueError):
         Draft([1, 2], [1, -1])
