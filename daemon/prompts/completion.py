@@ -32,8 +32,8 @@ CHARS_PER_TOKEN_CAP = 12  # text read around the cursor: budget * this many char
 FILE_SEP = "<file_sep>"  # StarCoder-style repository layout (SmolLM2's tokenizer has it)
 # An edit's drafts may run this long at least (a longer config max_draft stands): its old
 # region or prediction is copied in long runs, and the policy cuts each draft to the part
-# that pays. Measured on the default model (`codespec bench edit.jsonl --methods
-# off,ngram,ngram@64`, 2026-12-04): ngram 2.77x of off with 16 draft tokens, 3.03x with 64.
+# that pays. Measured on the default model (`codespec bench edit.jsonl`, the 2026-12-04
+# 12:45 block of BENCHMARKS.md): ngram 2.77x of off with 16 draft tokens, 3.03x with 64.
 EDIT_DRAFT = 64
 
 COMMENT = {
