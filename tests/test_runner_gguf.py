@@ -216,7 +216,7 @@ def test_decode_rows_equal_verify_rows(model_file: Path, attention: str) -> None
     if lib is not None:
         # tokens 2 to 5 see other keys than the cache's rows in order: each gathers its
         # keys of the chunk past the cache (128-255) into its own tiles, one tile of 16
-        # (it sees at most 2 + 4 of them), not the chunk's 8
+        # (it sees at most 2 + 3 of them), not the chunk's 8
         tiles = 4 * lean.num_layers * lean.n_kv
         assert lib.cs_lean_att_gathered() - gathered == 16 * tiles
     lean.keep([0, 2, 3])

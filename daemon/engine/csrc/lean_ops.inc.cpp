@@ -383,12 +383,12 @@ void chunk_sources(const Attn& A, int64_t h, const Task& tk, const uint16_t** kt
     for (int64_t j = 0; j < CHUNK; ++j) vrow[j] = vh + (c0 + j) * Dp;
     return;
   }
-  const int64_t t = tk.t0, L = A.len[t];
+  const int64_t t = tk.t0, L = A.len[t], nk = keys_in(A, t, tk);
   const int64_t* vis = A.vis + A.vis_off[t];
   auto row_of = [&](int64_t p) { return p < A.past ? p : A.past + vis[p - A.past]; };
   // only the tiles holding keys the token sees: the rest of the chunk is never read
   int64_t copied = 0;
-  for (int64_t i = 0; i < (keys_in(A, t, tk) + 15) / 16; ++i) {
+  for (int64_t i = 0; i < (nk + 15) / 16; ++i) {
     const int64_t p0 = c0 + 16 * i;
     if (p0 + 16 <= A.past) {
       ktile[i] = kh + (p0 / 16) * D * 16;
