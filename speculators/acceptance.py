@@ -80,13 +80,19 @@ def node_keys(draft: Draft) -> list[Key]:
     [('a', 3, 1, False), ('a', 3, 2, False), ('b', 3, 1, True)]
     """
     assert draft.parents is not None
+    # a step reads one draft's keys up to five times (its chances, then what each book
+    # learns from it): made once per draft and kept with it (its nodes never change)
+    keys: list[Key] | None = draft.__dict__.get("_node_keys")
+    if keys is not None and len(keys) == len(draft.parents):
+        return keys
     levels = draft.levels
     parented: set[int] = set()
-    keys: list[Key] = []
+    keys = []
     for i, p in enumerate(draft.parents):
         match = match_bucket(draft.match_at(i))
         keys.append((draft.source(i), match, depth_bucket(levels[i]), p in parented))
         parented.add(p)
+    draft.__dict__["_node_keys"] = keys
     return keys
 
 

@@ -141,9 +141,24 @@ class ForwardCosts:
         return max(m1 + (m1 - m0) / (s1 - s0) * (n - s1), 1e-3)
 
     def table(self, most: int) -> list[float]:
-        """``[at(0), at(1), ..., at(most)]`` (``at(0)`` is ``at(1)``): one lookup per size
-        for a caller that weighs many sizes in one step."""
-        return [self.at(max(1, n)) for n in range(most + 1)]
+        """``[at(0), at(1), ..., at(most)]`` (``at(0)`` is ``at(1)``), for a caller that
+        weighs many sizes in one step (the policy, every step): the same figures as
+        :meth:`at`, in one walk along the fit instead of a search per size."""
+        pts = self.fitted()
+        if len(pts) < 2:
+            return [self.at(max(1, n)) for n in range(most + 1)]
+        out = [max(pts[0][1], 1e-3)] * min(most + 1, pts[0][0] + 1)
+        seg = 0
+        for n in range(len(out), most + 1):
+            while seg < len(pts) - 1 and n > pts[seg + 1][0]:
+                seg += 1
+            if seg < len(pts) - 1:  # between two measured sizes
+                (s0, m0), (s1, m1) = pts[seg], pts[seg + 1]
+                out.append(max(m0 + (m1 - m0) * (n - s0) / (s1 - s0), 1e-3))
+            else:  # past the last: at()'s extrapolation
+                (s0, m0), (s1, m1) = pts[-2], pts[-1]
+                out.append(max(m1 + (m1 - m0) / (s1 - s0) * (n - s1), 1e-3))
+        return out
 
     def relative(self, n: int) -> float:
         """Cost of an ``n``-token forward in plain decode steps."""

@@ -3,6 +3,7 @@ proposers and backs off (speculators/policy.py, book.py, acceptance.py, costs.py
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -114,6 +115,20 @@ def test_forward_costs_interpolate_stay_monotone_and_take_a_seed():
     for n, ms in [(1, 5.0), (4, 8.0), (8, 12.0)] * 10:
         line.add(n, ms)
     assert line.at(1) == pytest.approx(5.0, abs=0.2) and line.at(8) == pytest.approx(12, abs=0.2)
+
+
+def test_the_cost_table_is_at_for_every_size_bit_for_bit():
+    """The policy reads a step's costs from ``table`` (one walk along the fit); every entry
+    is exactly what ``at`` gives, between measured sizes, on them and past the last."""
+    rng = random.Random(3)
+    for trial in range(40):
+        c = ForwardCosts()
+        sizes = rng.sample([1, 2, 3, 5, 8, 12, 16, 20, 32, 48], rng.randint(1, 6))
+        c.seed({n: rng.uniform(2.0, 40.0) for n in sizes})
+        for _ in range(rng.randint(0, 30)):
+            c.add(rng.randint(1, 70), rng.uniform(2.0, 60.0))
+        most = rng.randint(0, 130)
+        assert c.table(most) == [c.at(max(1, n)) for n in range(most + 1)], trial
 
 
 def test_one_slow_forward_does_not_price_the_larger_sizes_for_good():
