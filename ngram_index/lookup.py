@@ -165,15 +165,33 @@ def continuations(reads: list[Read], k: int) -> tuple[dict[tuple[int, ...], int]
     many reads give it, and the document of its first read; in first-read order."""
     counts: dict[tuple[int, ...], int] = {}
     first: dict[tuple[int, ...], Doc] = {}
-    for _, p, d, arr in reads:
-        cont = arr[p + 1 : p + 1 + k]
-        stop = np.flatnonzero(cont == SEP)
-        if stop.shape[0]:
-            cont = cont[: stop[0]]
-        tup = tuple(cont.tolist())
+    rows = _windows(reads, k)
+    for (_, _, d, _), row in zip(reads, rows, strict=True):
+        tup = tuple(row)
         counts[tup] = counts.get(tup, 0) + 1
         first.setdefault(tup, d)
     return counts, first
+
+
+def _windows(reads: list[Read], k: int) -> list[list[int]]:
+    """Each read's ``arr[p + 1 : p + 1 + k]`` cut before its first ``SEP``, as a list: one
+    gather per array read from (the segment, a loose document), not a slice and a scan a
+    read (64 of them a lookup at most; they were most of a lookup's time)."""
+    out: list[list[int]] = [[] for _ in reads]
+    by_arr: dict[int, list[int]] = {}
+    for i, r in enumerate(reads):
+        by_arr.setdefault(id(r[3]), []).append(i)
+    steps = np.arange(1, k + 1, dtype=np.int64)  # (k,)
+    for which in by_arr.values():
+        arr = reads[which[0]][3]
+        idx = np.asarray([reads[i][1] for i in which], dtype=np.int64)[:, None] + steps  # (R, k)
+        inside = idx < arr.shape[0]
+        win = np.where(inside, arr[np.minimum(idx, arr.shape[0] - 1)], SEP)  # (R, k)
+        stop = win == SEP
+        lens = np.where(stop.any(axis=1), stop.argmax(axis=1), k)  # (R,)
+        for i, row, n in zip(which, win.tolist(), lens.tolist(), strict=True):
+            out[i] = row[:n]
+    return out
 
 
 def rank(hits: list[Hits], k: int, b: int, min_n: int) -> list[Candidate]:

@@ -199,6 +199,25 @@ def test_longest_match_wins_and_nothing_matches_gives_nothing(tok: Any, frozen: 
         idx.lookup([1, 2, 3], min_n=1)
 
 
+def test_continuations_stop_at_a_documents_end_frozen_or_loose(tok: Any) -> None:
+    """A continuation is read up to ``k`` ids and never past its document's end: in the
+    frozen segment (documents side by side) it stops at the next document, in a loose one
+    at the array's end; one lookup reading both kinds (segment hits and loose hits) gets
+    each its own cut, and counts occurrences that continue alike."""
+    idx = NgramIndex(tok, max_n=8, min_n=2)
+    idx.open("file:///a.py", "run(alpha)\nrun(alpha)\nrun(beta", kind="workspace")
+    idx.open("file:///b.py", "zzz = 1\n", kind="workspace")
+    idx.compact()  # a.py is followed by b.py in the segment
+    idx.open("file:///c.py", "run(gamma", kind="workspace")  # loose, after compaction
+    got = idx.lookup(ids(tok, "x = run("), k=50, b=8)
+    texts = sorted(tok.decode(c.tokens) for c in got)
+    assert texts == ["alpha)\nrun(alpha)\nrun(beta", "alpha)\nrun(beta", "beta", "gamma"]
+    assert all("zzz" not in t for t in texts)
+    short = idx.lookup(ids(tok, "x = run("), k=1, b=8)
+    assert len(short) == 3 and {len(c.tokens) for c in short} == {1}
+    assert max(c.count for c in short) == 2  # two occurrences continue with "alpha"
+
+
 def test_eviction_is_lru_and_spares_the_current_document(tok: Any) -> None:
     """Past max_tokens whole documents go, least recently used first, never the current one."""
     text = (STDLIB / "textwrap.py").read_text()[:2000]
