@@ -32,6 +32,19 @@ stack, fp32 on the torch path); the bandwidth is the best of two fp32 matrix-vec
 products over 128 MiB. For T > 1 the floor is still the bytes floor (verification can be
 compute-bound).
 
+For the runners whose products are int8 dot products (``gguf-i8``, ``gguf-i8-fp32att``)
+a second floor, the products' compute::
+
+    compute floor = T * multiply-adds of a token's products / the dot products' rate
+
+the rate measured here before the runs (``quant_gemm.i8_peak_gmacs``: the instruction the
+products use, vpdpbusd or vpmaddubsw, in independent chains on every thread and nothing
+else). ``/compute`` is a forward's time over it: what the products' own float steps (a
+scale and an offset per 32 weights), attention, norms and the threads' meeting points
+add. A verification of T tokens cannot take fewer decode steps than its compute floor
+in decode steps; on a machine whose dot products are slow against its memory, no kernel
+reaches a target below that.
+
 The model: ``--model`` (an HF folder, a cached name or a ``.gguf``), else the default
 (SmolLM2-135M-Instruct, fetched once). Prints a table and ends with one JSON line. It
 builds runners through their public constructors only.
@@ -49,8 +62,8 @@ from typing import Any
 
 import torch
 
-from codespec.daemon.engine import gguf_weights, models
-from codespec.daemon.engine.footprint import kv_bytes, param_bytes
+from codespec.daemon.engine import gguf_weights, models, quant_gemm
+from codespec.daemon.engine.footprint import kv_bytes, param_bytes, product_macs
 from codespec.daemon.engine.lean import LeanRunner
 
 RUNNERS = ("gguf", "gguf-i8", "gguf-i8-fp32att", "fp16", "torch-int8", "torch-int4")
@@ -63,7 +76,7 @@ class WeightOnly:
     def __init__(self, w: torch.Tensor, bits: int) -> None:
         w = w.detach().float().t().contiguous()  # (n, k)
         n, k = w.shape
-        self.bits = bits
+        self.n, self.k, self.bits = n, k, bits
         if bits == 8:
             self.scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127  # (n,)
             self.q = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -178,7 +191,10 @@ def time_context(
     return {k: statistics.median(v or [first[k]]) for k, v in times.items()}
 
 
-def _rows(named, contexts, sizes, args, bw) -> list[dict[str, Any]]:
+I8_RUNNERS = ("gguf-i8", "gguf-i8-fp32att")  # products by int8 dot products
+
+
+def _rows(named, contexts, sizes, args, bw, gmacs: float) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for ctx in contexts:
@@ -189,34 +205,49 @@ def _rows(named, contexts, sizes, args, bw) -> list[dict[str, Any]]:
                 nbytes = param_bytes(r) + kv_bytes(r, ctx + t)
                 ms = med[(label, t)] * 1e3
                 floor = nbytes / (bw * 1e9) * 1e3
-                rows.append(
-                    {
-                        "runner": label,
-                        "context": ctx,
-                        "tokens": t,
-                        "ms": round(ms, 3),
-                        "decode_steps": round(med[(label, t)] / decode, 2) if decode else None,
-                        "bytes": nbytes,
-                        "floor_ms": round(floor, 3),
-                        "vs_floor": round(ms / floor, 2),
-                    }
-                )
+                row = {
+                    "runner": label,
+                    "context": ctx,
+                    "tokens": t,
+                    "ms": round(ms, 3),
+                    "decode_steps": round(med[(label, t)] / decode, 2) if decode else None,
+                    "bytes": nbytes,
+                    "floor_ms": round(floor, 3),
+                    "vs_floor": round(ms / floor, 2),
+                    "compute_floor_ms": None,
+                    "vs_compute_floor": None,
+                }
+                if label in I8_RUNNERS and gmacs > 0:
+                    compute = t * product_macs(r) / (gmacs * 1e9) * 1e3
+                    row["compute_floor_ms"] = round(compute, 3)
+                    row["vs_compute_floor"] = round(ms / compute, 2)
+                rows.append(row)
     return rows
 
 
-def _print(rows: list[dict[str, Any]], named: dict[str, LeanRunner], desc: str, args, bw) -> None:
+def _print(
+    rows: list[dict[str, Any]], named: dict[str, LeanRunner], desc: str, args, bw, gmacs: float
+) -> None:
     print(f"model: {desc}   threads {args.threads}   medians of up to {args.reps}, interleaved")
     print(f"bandwidth: {bw['best']:.1f} GB/s (W@x {bw['mv']:.1f}, x@W {bw['vm']:.1f})")
+    if gmacs > 0:
+        isa = quant_gemm.i8_isa()
+        print(f"int8 dot products: {gmacs:.1f} G multiply-adds/s ({isa}, {args.threads} threads)")
     for label, r in named.items():
         kv = kv_bytes(r, 1)
-        print(f"  {label:<11} weights {param_bytes(r) / 1e6:7.1f} MB   KV {kv} B/token")
+        macs = product_macs(r) / 1e6
+        print(f"  {label:<11} weights {param_bytes(r) / 1e6:7.1f} MB   KV {kv} B/token   "
+              f"products {macs:.1f}M multiply-adds/token")  # fmt: skip
     head = f"{'ctx':>5} {'T':>3} {'runner':<11} {'ms':>8} {'/decode':>8}"
-    print(head + f" {'floor ms':>9} {'/floor':>7}")
+    print(head + f" {'floor ms':>9} {'/floor':>7} {'compute ms':>11} {'/compute':>9}")
     for r in rows:
         steps = f"{r['decode_steps']:>8.2f}" if r["decode_steps"] is not None else f"{'':>8}"
+        compute = f"{'':>11} {'':>9}"
+        if r["compute_floor_ms"] is not None:
+            compute = f"{r['compute_floor_ms']:>11.2f} {r['vs_compute_floor']:>9.2f}"
         print(
             f"{r['context']:>5} {r['tokens']:>3} {r['runner']:<11} {r['ms']:>8.2f} {steps} "
-            f"{r['floor_ms']:>9.2f} {r['vs_floor']:>7.2f}"
+            f"{r['floor_ms']:>9.2f} {r['vs_floor']:>7.2f} {compute}"
         )
 
 
@@ -251,14 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     if not named:
         raise SystemExit("codespec bench runner: no runner could be built")
     bw = measure_bandwidth()
-    rows = _rows(named, contexts, sizes, args, bw["best"])
-    _print(rows, named, str(folder), args, bw)
+    i8 = any(n in I8_RUNNERS for n in named) and quant_gemm.i8_available()
+    gmacs = quant_gemm.i8_peak_gmacs(args.threads) if i8 else 0.0
+    rows = _rows(named, contexts, sizes, args, bw["best"], gmacs)
+    _print(rows, named, str(folder), args, bw, gmacs)
     summary = {
         "bench": "runner",
         "model": str(folder),
         "threads": args.threads,
         "reps": args.reps,
         "bandwidth_gbs": round(bw["best"], 2),
+        "int8_gmacs": round(gmacs, 1) if gmacs else None,
         "weight_bytes": {k: param_bytes(r) for k, r in named.items()},
         "rows": rows,
     }

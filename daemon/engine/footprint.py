@@ -3,7 +3,9 @@
 Owns the byte counts the benchmarks set against memory bandwidth and ``stats`` reports:
 :func:`param_bytes` (every weight once: fp32 or 16-bit panels, GGUF blocks, the tied
 embedding counted once as the LM head) and :func:`kv_bytes` (K and V over the cached
-positions, as the cache stores them). Must not touch: the runner's state.
+positions, as the cache stores them); and the multiply-adds a token's products take
+(:func:`product_macs`), which the benchmarks set against the CPU's dot product rate.
+Must not touch: the runner's state.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from codespec.daemon.engine import qstack
 
-__all__ = ["flat_weights", "kv_bytes", "param_bytes"]
+__all__ = ["flat_weights", "kv_bytes", "param_bytes", "product_macs"]
 
 
 def flat_weights(obj: Any) -> list[Any]:
@@ -49,3 +51,20 @@ def kv_bytes(runner: Any, tokens: int) -> int:
         return runner.num_layers * runner.n_kv * d * 2 * tokens
     per_token = runner.num_layers * 2 * runner.n_kv * runner.head_dim * runner.kv.element_size()
     return per_token * tokens
+
+
+def product_macs(runner: Any) -> int:
+    """Multiply-adds of one token's matrix products: every matrix of the layers and the LM
+    head once (rows x columns; norms and biases left out, attention too: it grows with the
+    context and is not a weight product)."""
+    seen: set[int] = set()
+    total = 0
+    for t in flat_weights([runner.lm_head_t, runner.layers]):
+        if isinstance(t, torch.Tensor):
+            key, macs = t.data_ptr(), t.numel() if t.dim() >= 2 else 0  # (panels: 3-D)
+        else:  # a QuantMatrix or another matrix object that knows its (n, k)
+            key, macs = id(t), int(t.n) * int(t.k)
+        if key not in seen:
+            seen.add(key)
+            total += macs
+    return total

@@ -104,6 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
             i32,
             [i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i32],
         ),
+        ("cs_qgemm_i8_peak", ctypes.c_double, [i32, i64, i64, i64]),
         (
             "cs_qgemm_i8_many",
             i32,
@@ -393,6 +394,19 @@ def i8_isa() -> str | None:
 
 def i8_available() -> bool:
     return i8_isa() is not None
+
+
+def i8_peak_gmacs(
+    threads: int, isa: str | None = None, iters: int = 200_000, rounds: int = 5
+) -> float:
+    """Billions of int8 multiply-adds a second that :func:`linear_i8`'s dot product
+    instruction does on ``threads`` threads at once (``isa``: :func:`i8_isa` by default):
+    independent chains of vpdpbusd (AVX-512 VNNI) or vpmaddubsw (AVX2) and nothing else,
+    the best of ``rounds``. The products' compute floor; 0.0 without an int8 path."""
+    isa = isa or i8_isa()
+    if isa not in ("avx2", "avx512-vnni"):
+        return 0.0
+    return float(_required().cs_qgemm_i8_peak(_I8_CODES[isa], threads, iters, rounds))
 
 
 def linear_i8(

@@ -46,6 +46,7 @@
 // products (AVX-512 VNNI vpdpbusd, else AVX2 vpmaddubsw). Faster for many rows, not exact:
 // its error is that of rounding x to 8 bits. Its rows too are independent of M and threads.
 #include <atomic>
+#include <chrono>
 #include <stdint.h>
 #include <string.h>
 
@@ -1659,6 +1660,20 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   }
 }
 
+// The integer dot products' own rate, for the benchmarks' compute floor: `iters` rounds of
+// 12 independent vpdpbusd (64 multiply-adds each), nothing else; the sum, so that the
+// loop is kept. What the products above could reach were they nothing but dot products.
+int64_t dot_peak(int64_t iters) {
+  I a[12];
+  for (auto& v : a) v = _mm512_set1_epi32(1);
+  const I u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(5);
+  for (int64_t i = 0; i < iters; ++i)
+    for (auto& v : a) v = dpbusd(v, u, s);
+  I t = a[0];
+  for (int j = 1; j < 12; ++j) t = _mm512_add_epi32(t, a[j]);
+  return _mm512_reduce_add_epi32(t);
+}
+
 }  // namespace v512
 }  // namespace
 #pragma GCC pop_options
@@ -1907,6 +1922,23 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   }
 }
 
+// dot_peak's AVX2 twin: 12 independent vpmaddubsw + vpaddw pairs (32 multiply-adds
+// each), the products' own step (mul4_add).
+int64_t dot_peak(int64_t iters) {
+  I a[12];
+  for (auto& v : a) v = _mm256_setzero_si256();
+  const I u = _mm256_set1_epi8(3), s = _mm256_set1_epi8(5);
+  for (int64_t i = 0; i < iters; ++i)
+    for (auto& v : a) mul4_add(v, u, s);
+  I t = a[0];
+  for (int j = 1; j < 12; ++j) t = _mm256_add_epi16(t, a[j]);
+  alignas(32) int16_t out[16];
+  _mm256_store_si256(reinterpret_cast<I*>(out), t);
+  int64_t sum = 0;
+  for (int16_t v : out) sum += v;
+  return sum;
+}
+
 }  // namespace v256
 }  // namespace
 #pragma GCC pop_options
@@ -2061,6 +2093,32 @@ int cs_qgemm_i8_many(int64_t n, const int* types, const float* x, int64_t M, int
       }
   }
   return 0;
+}
+
+// Multiply-adds per second (in billions) of the int8 products' dot product instruction on
+// `threads` threads at once, isa 1 (AVX2 vpmaddubsw) or 3 (AVX-512 VNNI vpdpbusd), the best
+// of `rounds` runs of `iters` rounds each: the compute floor `codespec bench runner` sets a
+// verification against. 0 where the isa is not available here.
+double cs_qgemm_i8_peak(int isa, int64_t threads, int64_t iters, int64_t rounds) {
+#ifdef QG_X86
+  if (!isa_ok(isa) || (isa != ISA_AVX2 && isa != ISA_AVX512_VNNI) || threads < 1 || iters < 1)
+    return 0.0;
+  const double per_iter = isa == ISA_AVX512_VNNI ? 12.0 * 64 : 12.0 * 32;
+  double best = 0.0;
+  std::atomic<int64_t> sink{0};
+  for (int64_t r = 0; r < rounds; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(static_cast<int>(threads))
+    sink += isa == ISA_AVX512_VNNI ? v512::dot_peak(iters) : v256::dot_peak(iters);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double rate = per_iter * static_cast<double>(iters) * static_cast<double>(threads) / s;
+    if (s > 0 && rate > best) best = rate;
+  }
+  return best / 1e9;  // (sink, an atomic, keeps the loops)
+#else
+  (void)isa, (void)threads, (void)iters, (void)rounds;
+  return 0.0;
+#endif
 }
 
 }  // extern "C"
