@@ -28,6 +28,13 @@ import torch
 
 from codespec.speculators.draft import Draft
 
+# The nucleus is looked for among the likeliest tokens first (partial sorts of these
+# many); only rows whose likeliest NUCLEUS_FIRST[-1] tokens hold less than ``top_p`` are
+# sorted whole. A full sort of a 49,152-token row took 4.5 ms on a Zen 4 core, the first
+# partial one ~0.5 ms; at temperature 0.8 the model's likeliest 1,024 tokens held 0.9999
+# of the mass (a textwrap.py prompt), at 1.5 0.88.
+NUCLEUS_FIRST = (1024, 8192)
+
 
 def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """Sampling distribution per row: softmax(logits / T), restricted to the top-p nucleus.
@@ -38,7 +45,16 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     """
     probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        for k in NUCLEUS_FIRST:
+            if k >= probs.shape[-1]:
+                break
+            sorted_p, order = probs.topk(k, dim=-1)  # descending
+            if bool((sorted_p.sum(-1) >= top_p).all()):  # every nucleus within the first k
+                break
+        else:
+            k = probs.shape[-1]
+        if k >= probs.shape[-1]:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
         sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
@@ -47,7 +63,18 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One token drawn from ``probs`` (``(V,)``, non-negative, not all zero): inverse
+    transform sampling, one uniform draw against the float64 running sum. A token of
+    probability 0 is never drawn. (``torch.multinomial`` took ~1.2 ms a draw over a
+    49,152-token row on a Zen 4 core, this ~0.1 ms: a sampled step's largest cost after
+    the forward.)"""
+    cdf = probs.double().cumsum(0)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64),
+                               right=True))  # fmt: skip
+    if i >= probs.shape[0]:  # u * total rounded up to the total: the last token drawable
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i
 
 
 def verify_greedy(
@@ -81,12 +108,18 @@ def verify_sampling(
     """Return (accepted draft nodes root→leaf, bonus token) by rejection sampling."""
     if draft is None or len(draft) == 0:
         return [], sample(target_probs(logits[:1], temperature, top_p)[0], generator)
-    probs = target_probs(logits, temperature, top_p)
+    rows: dict[int, torch.Tensor] = {}
+
+    def row(r: int) -> torch.Tensor:  # the walk reads only the rows of the path it takes
+        if r not in rows:
+            rows[r] = target_probs(logits[r : r + 1], temperature, top_p)[0]
+        return rows[r]
+
     children = draft.children()
     accepted: list[int] = []
     node = -1
     while True:
-        p = probs[node + 1].clone()
+        p = row(node + 1).clone()
         moved = False
         for c in children.get(node, ()):
             x = draft.tokens[c]
@@ -106,7 +139,7 @@ def verify_sampling(
                 p = torch.clamp(p - q.to(p), min=0.0)
             total = float(p.sum())
             if total <= 0.0:  # only reachable through rounding: fall back to the target row
-                p = probs[node + 1].clone()
+                p = row(node + 1).clone()
             else:
                 p = p / total
         if not moved:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from codespec.speculators import verify as verify_mod
 from codespec.speculators.draft import Draft
-from codespec.speculators.verify import target_probs, verify_greedy, verify_sampling
+from codespec.speculators.verify import sample, target_probs, verify_greedy, verify_sampling
 
 V = 6
 
@@ -67,6 +68,50 @@ def test_top_p_keeps_the_nucleus():
     p = target_probs(logits, 1.0, top_p=0.8)[0]
     assert p[0] > 0 and p[1] > 0 and p[2] == 0 and p[3] == 0
     assert torch.isclose(p.sum(), torch.tensor(1.0))
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The nucleus as its definition reads: every row sorted whole."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
+    out = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("spread", [8.0, 3.0, 0.5])  # peaked (first partial sort), wider, flat
+def test_the_nucleus_from_partial_sorts_is_the_full_sorts(spread):
+    """The nucleus is looked for among the likeliest 1,024 then 8,192 tokens, and a row is
+    sorted whole only when neither holds ``top_p``: the same distribution either way, on
+    rows whose nucleus falls in each tier (a real vocabulary's width)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 49152, generator=gen) * spread
+    for top_p in (0.5, 0.9, 0.95, 0.999):
+        got = target_probs(logits, 0.8, top_p)
+        want = _nucleus_by_full_sort(logits, 0.8, top_p)
+        assert torch.allclose(got, want, atol=1e-6), (spread, top_p)
+        assert torch.equal(got > 0, want > 0), (spread, top_p)
+
+
+def test_sample_follows_the_distribution_and_never_draws_a_zero(monkeypatch):
+    """Inverse transform sampling: a seeded generator repeats its draws, the draws fit the
+    distribution (chi-square over 6 tokens at p = 1e-4, fixed seed), a token of
+    probability 0 is never drawn, not even when the uniform lands on the running sum's
+    very end (where a plain search would return the last, zero, token)."""
+    p = torch.tensor([0.1, 0.0, 0.35, 0.05, 0.5, 0.0])
+    gen = torch.Generator().manual_seed(11)
+    draws = [sample(p, gen) for _ in range(20000)]
+    assert draws[:50] == [
+        sample(p, g) for g in [torch.Generator().manual_seed(11)] for _ in range(50)
+    ]
+    counts = torch.bincount(torch.tensor(draws), minlength=V).float()
+    assert counts[1] == 0 and counts[5] == 0
+    assert _chi_square(counts, p * len(draws)) < CHI2_5DF_P1E4
+    monkeypatch.setattr(
+        verify_mod.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64)
+    )
+    assert sample(p, None) == 4
 
 
 def _chi_square(counts: torch.Tensor, expected: torch.Tensor) -> float:
