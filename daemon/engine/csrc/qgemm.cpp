@@ -1460,32 +1460,70 @@ inline I group_i8(const uint8_t* g) {
   }
 }
 
+// Lane j of the result: op over the 16 lanes of v[j] (max or add; exact for both: the
+// order of a max does not matter, integer sums are exact). Four rounds of shuffles that
+// halve the lanes each vector carries, 15 ops in all, where 16 horizontal reductions
+// took ~8 dependent steps each and a move to a general register per sum (a quarter of
+// the old quantization's samples sat on one such move, Zen 4). The rounds leave block j
+// in lane `spread`[j] (quantize_blocks).
+template <class Op>
+inline V lanes_reduce(const V* v, Op op) {
+  V a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j)
+    a[j] = op(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44), _mm512_shuffle_f32x4(v[j], v[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    b[j] = op(_mm512_shuffle_f32x4(a[j], a[j + 4], 0x88), _mm512_shuffle_f32x4(a[j], a[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    c[j] = op(_mm512_shuffle_ps(b[j], b[j + 2], 0x44), _mm512_shuffle_ps(b[j], b[j + 2], 0xEE));
+  return op(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
 // quantize_blocks_scalar, 16 blocks a pass: the same fp32 steps, so the same bytes and
 // scales. A block's index i is also where its step, ms and sums lie (dx[i], ms[i], s16[2i]),
-// so 16 blocks' max |x| go into one vector and their d = max / 127 and 1 / d are one
-// division each (IEEE, as the scalar ones), where the AVX2 pass divides twice per block
-// and adds its sums in scalar code (4.5% of a 32-token forward's samples on Zen 4).
+// so 16 blocks' max |x| go into one vector (lanes_reduce) and their d = max / 127 and
+// 1 / d are one division each (IEEE, as the scalar ones), where the AVX2 pass divides
+// twice per block and adds its sums in scalar code (4.5% of a 32-token forward's samples
+// on Zen 4); the blocks' integer sums are reduced 16 at a time too.
 void quantize_blocks(const float* x, int64_t K, int64_t ldx, Xq& o, int64_t b0, int64_t b1) {
   const V sign = _mm512_set1_ps(-0.0f), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  // lanes_reduce leaves block j in lane spread[j] (a permutation that is its own inverse)
+  const I spread = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  // each block's two half sums side by side, blocks 0-7 then 8-15, from the reduced first
+  // halves (indices 0-15) and second halves (16-31)
+  const I pick01 = _mm512_setr_epi32(0, 16, 2, 18, 1, 17, 3, 19, 8, 24, 10, 26, 9, 25, 11, 27);
+  const I pick23 = _mm512_setr_epi32(4, 20, 6, 22, 5, 21, 7, 23, 12, 28, 14, 30, 13, 29, 15, 31);
+  const auto vmax = [](V p, V q) { return _mm512_max_ps(p, q); };
+  const auto vadd = [](V p, V q) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_castps_si512(q)));
+  };
   const int64_t nb = K / 32;
   for (int64_t i0 = b0; i0 < b1; i0 += 16) {
     const int64_t n = b1 - i0 < 16 ? b1 - i0 : 16;
     const __mmask16 mk = static_cast<__mmask16>((1u << n) - 1);
     const float* xs[16];
-    alignas(64) float amax[16] = {};
-    for (int64_t j = 0; j < n; ++j) {
+    V m[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {
+        m[j] = _mm512_setzero_ps();
+        continue;
+      }
       const int64_t i = i0 + j;
       xs[j] = x + (i / nb) * ldx + 32 * (i % nb);
-      amax[j] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(xs[j])),
-                                                   _mm512_andnot_ps(sign, _mm512_loadu_ps(xs[j] + 16))));
+      m[j] = _mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(xs[j])),
+                           _mm512_andnot_ps(sign, _mm512_loadu_ps(xs[j] + 16)));
     }
-    const V d = _mm512_div_ps(_mm512_load_ps(amax), _mm512_set1_ps(127.0f));
+    const V amax = _mm512_permutexvar_ps(spread, lanes_reduce(m, vmax));
+    const V d = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
     const V id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ),
                                      _mm512_set1_ps(1.0f), d);
     alignas(64) float ids[16];
     _mm512_store_ps(ids, id);
-    alignas(64) int32_t s[32] = {};
-    for (int64_t j = 0; j < n; ++j) {
+    V qs[2][16];  // each block's int32 quants, per half (as float bits, for the shuffles)
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {
+        qs[0][j] = qs[1][j] = _mm512_setzero_ps();
+        continue;
+      }
       const int64_t i = i0 + j;
       const V idv = _mm512_set1_ps(ids[j]);
       for (int c = 0; c < 2; ++c) {
@@ -1495,10 +1533,13 @@ void quantize_blocks(const float* x, int64_t K, int64_t ldx, Xq& o, int64_t b0, 
         const I q = _mm512_cvtps_epi32(r);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o.q.data() + (i / nb) * K + 32 * (i % nb) + 16 * c),
                          _mm512_cvtsepi32_epi8(q));
-        s[2 * j + c] = _mm512_reduce_add_epi32(q);
+        qs[c][j] = _mm512_castsi512_ps(q);
       }
     }
-    const I s01 = _mm512_load_si512(s), s23 = _mm512_load_si512(s + 16);
+    const I s_lo = _mm512_castps_si512(lanes_reduce(qs[0], vadd));
+    const I s_hi = _mm512_castps_si512(lanes_reduce(qs[1], vadd));
+    const I s01 = _mm512_permutex2var_epi32(s_lo, pick01, s_hi);  // blocks 0-7's halves
+    const I s23 = _mm512_permutex2var_epi32(s_lo, pick23, s_hi);  // 8-15's
     // block j's two sums are s[2j], s[2j + 1]: add the pairs, in block order
     const I pairs = _mm512_permutex2var_epi32(
         _mm512_add_epi32(s01, _mm512_srli_epi64(s01, 32)),
