@@ -233,12 +233,13 @@ def _print(
     if gmacs > 0:
         isa = quant_gemm.i8_isa()
         print(f"int8 dot products: {gmacs:.1f} G multiply-adds/s ({isa}, {args.threads} threads)")
+    w = max(11, *(len(label) for label in named))  # the runner column's width
     for label, r in named.items():
         kv = kv_bytes(r, 1)
         macs = product_macs(r) / 1e6
-        print(f"  {label:<11} weights {param_bytes(r) / 1e6:7.1f} MB   KV {kv} B/token   "
+        print(f"  {label:<{w}} weights {param_bytes(r) / 1e6:7.1f} MB   KV {kv} B/token   "
               f"products {macs:.1f}M multiply-adds/token")  # fmt: skip
-    head = f"{'ctx':>5} {'T':>3} {'runner':<11} {'ms':>8} {'/decode':>8}"
+    head = f"{'ctx':>5} {'T':>3} {'runner':<{w}} {'ms':>8} {'/decode':>8}"
     print(head + f" {'floor ms':>9} {'/floor':>7} {'compute ms':>11} {'/compute':>9}")
     for r in rows:
         steps = f"{r['decode_steps']:>8.2f}" if r["decode_steps"] is not None else f"{'':>8}"
@@ -246,7 +247,7 @@ def _print(
         if r["compute_floor_ms"] is not None:
             compute = f"{r['compute_floor_ms']:>11.2f} {r['vs_compute_floor']:>9.2f}"
         print(
-            f"{r['context']:>5} {r['tokens']:>3} {r['runner']:<11} {r['ms']:>8.2f} {steps} "
+            f"{r['context']:>5} {r['tokens']:>3} {r['runner']:<{w}} {r['ms']:>8.2f} {steps} "
             f"{r['floor_ms']:>9.2f} {r['vs_floor']:>7.2f} {compute}"
         )
 
