@@ -45,21 +45,23 @@ def target_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -
     """
     probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
     if top_p < 1.0:
-        for k in NUCLEUS_FIRST:
-            if k >= probs.shape[-1]:
-                break
-            sorted_p, order = probs.topk(k, dim=-1)  # descending
-            if bool((sorted_p.sum(-1) >= top_p).all()):  # every nucleus within the first k
-                break
-        else:
-            k = probs.shape[-1]
-        if k >= probs.shape[-1]:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p, order = _likeliest(probs, top_p)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
         sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _likeliest(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's likeliest tokens, most likely first (values, indices): the first
+    NUCLEUS_FIRST that hold ``top_p`` of every row's mass, else every token."""
+    for k in NUCLEUS_FIRST:
+        if k < probs.shape[-1]:
+            sorted_p, order = probs.topk(k, dim=-1)
+            if bool((sorted_p.sum(-1) >= top_p).all()):
+                return sorted_p, order
+    return probs.sort(dim=-1, descending=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
