@@ -103,7 +103,10 @@ def segment_hits(
     if not ends.shape[0]:
         return None
     lens = extend_matches(seg.cat, ends, suffix, g, max_n)  # (H,)
-    tiers = np.asarray([tier_of(d) for d in seg.docs], dtype=np.int64)[slots]
+    # the tiers of the documents hit only: a loop over every document of the segment
+    # made a lookup's cost grow with the workspace (2,298 documents: p50 578 us)
+    hit, at = np.unique(slots, return_inverse=True)
+    tiers = np.asarray([tier_of(seg.docs[int(s)]) for s in hit], dtype=np.int64)[at]
     return Hits(ends, lens, tiers, seg.docs, slots, seg.cat)
 
 
@@ -153,7 +156,8 @@ def reads_of(hits: list[Hits], tier: int, n: int) -> list[Read]:
             continue
         m = (h.tiers == tier) & (h.lens == n)
         e, sl = h.ends[m], h.slots[m]
-        seqs = np.asarray([d.seq for d in h.docs], dtype=np.int64)[sl]
+        hit, at = np.unique(sl, return_inverse=True)  # (the documents hit only, as above)
+        seqs = np.asarray([h.docs[int(s)].seq for s in hit], dtype=np.int64)[at]
         order = np.lexsort((-e, -seqs))[:OCCURRENCES_READ]
         reads += [(int(seqs[i]), int(e[i]), h.docs[int(sl[i])], h.seq) for i in order]
     reads.sort(key=lambda r: (-r[0], -r[1]))
