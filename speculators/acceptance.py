@@ -82,17 +82,16 @@ def node_keys(draft: Draft) -> list[Key]:
     assert draft.parents is not None
     # a step reads one draft's keys up to five times (its chances, then what each book
     # learns from it): made once per draft and kept with it (its nodes never change)
-    keys: list[Key] | None = draft.__dict__.get("_node_keys")
-    if keys is not None and len(keys) == len(draft.parents):
-        return keys
+    if draft.node_keys is not None and len(draft.node_keys) == len(draft.parents):
+        return draft.node_keys
     levels = draft.levels
     parented: set[int] = set()
-    keys = []
+    keys: list[Key] = []
     for i, p in enumerate(draft.parents):
         match = match_bucket(draft.match_at(i))
         keys.append((draft.source(i), match, depth_bucket(levels[i]), p in parented))
         parented.add(p)
-    draft.__dict__["_node_keys"] = keys
+    draft.node_keys = keys
     return keys
 
 

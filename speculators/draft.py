@@ -70,6 +70,8 @@ class Draft:
     matches: list[int] | None = None
     chances: list[float] | None = field(default=None, compare=False)
     origin: tuple[Draft, list[int]] | None = field(default=None, repr=False, compare=False)
+    # the policy's key of each node (acceptance.node_keys), made once per draft
+    node_keys: list | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
