@@ -375,7 +375,8 @@ class HeadRunner:
     def param_bytes(self) -> int:
         """Bytes of weights one forward reads (the embedding rows read are not counted)."""
         ws = [self.w_fc, self.w_qkv, self.w_o, self.w_gu, self.w_down, self.w_lm]
-        return sum(w.numel() * w.element_size() for w in ws)
+        return sum(w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+                   for w in ws)  # fmt: skip
 
     def reset(self) -> None:
         self.length = 0

@@ -14,7 +14,7 @@ target only through :class:`~codespec.speculators.draft.StepResult`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +26,14 @@ class Kernels(Protocol):
     """The matrix products a draft head runs through, as the target's runner does.
 
     ``pack(w)`` turns an ``(in, out)`` weight into the form ``linear`` takes (panels
-    for a CPU kernel; the matrix itself for torch); ``linear(x, w, res)`` is
-    ``x @ w (+ res)``; ``norm`` is Llama's RMSNorm of the rows of ``x``.
+    or quantized blocks for a CPU kernel; the matrix itself for torch: opaque to the
+    caller); ``linear(x, w, res)`` is ``x @ w (+ res)``; ``norm`` is Llama's RMSNorm of
+    the rows of ``x``.
     """
 
-    def pack(self, w: torch.Tensor) -> torch.Tensor: ...
+    def pack(self, w: torch.Tensor) -> Any: ...
 
-    def linear(
-        self, x: torch.Tensor, w: torch.Tensor, res: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
+    def linear(self, x: torch.Tensor, w: Any, res: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
 

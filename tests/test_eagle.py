@@ -14,8 +14,10 @@ import random
 import pytest
 import torch
 
+from codespec.daemon.engine import cpu_gemm, quant_gemm
 from codespec.daemon.engine.engine import GenParams
 from codespec.daemon.engine.lean import LeanRunner
+from codespec.daemon.engine.target import FEW_ROWS, CpuGemmKernels, Int8Kernels, quantize_q8_0
 from codespec.speculators.book import PolicyStore
 from codespec.speculators.draft import Draft, MissingWeights, StepResult
 from codespec.speculators.eagle import (
@@ -326,6 +328,82 @@ def test_the_head_runs_through_the_targets_kernels(spec_engine):
     rt.runner.reset()
     for x, y in zip([*a, *one_a], [*b, *one_b], strict=True):
         torch.testing.assert_close(x.float(), y.float(), rtol=2e-3, atol=2e-3)
+
+
+needs_i8 = pytest.mark.skipif(
+    not quant_gemm.i8_available(), reason="no int8 dot products (AVX2 / AVX-512 VNNI) here"
+)
+
+
+@needs_i8
+def test_int8_kernels_hold_a_heads_matrices_in_q8_0_blocks():
+    """Int8Kernels packs an (in, out) weight into Q8_0 blocks (half a 16-bit panel's bytes)
+    and multiplies as the int8 runner does: the same numbers as linear_i8 over those blocks,
+    within Q8_0's rounding of the fp32 product, the residual added; a matrix whose inputs
+    are no multiple of 32 keeps CpuGemmKernels' panels and products."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 80, generator=g) * 0.1  # (in, out)
+    x, res = torch.randn(3, 96, generator=g), torch.randn(3, 80, generator=g)
+    kn = Int8Kernels()
+    packed = kn.pack(w)
+    assert isinstance(packed, quant_gemm.QuantMatrix) and packed.qtype == "Q8_0"
+    assert (packed.n, packed.k) == (80, 96)
+    blocks = quantize_q8_0(w.t().contiguous().numpy())
+    ref = quant_gemm.QuantMatrix.from_bytes(blocks, "Q8_0", 80, 96)
+    assert torch.equal(kn.linear(x, packed), quant_gemm.linear_i8(x, ref))
+    assert torch.equal(kn.linear(x, packed, res), quant_gemm.linear_i8(x, ref, res=res))
+    torch.testing.assert_close(kn.linear(x, packed, res), x @ w + res, rtol=0, atol=0.03)
+    odd = torch.randn(40, 48, generator=g)  # 40 inputs: no Q8_0 blocks
+    plain = CpuGemmKernels()
+    assert isinstance(kn.pack(odd), torch.Tensor)
+    xo = torch.randn(2, 40, generator=g)
+    assert torch.equal(kn.linear(xo, kn.pack(odd)), plain.linear(xo, plain.pack(odd)))
+
+
+@needs_i8
+def test_an_int8_target_gives_its_head_int8_kernels(spec_engine, monkeypatch):
+    """A lean runner with int8 block products hands its draft head Int8Kernels; one with
+    exact products CpuGemmKernels. The int8 head's outputs follow the 16-bit head's."""
+    assert type(spec_engine.kernels(torch.float32)) is CpuGemmKernels  # the tiny model
+    monkeypatch.setattr(spec_engine.runner, "int8", True, raising=False)
+    kn = spec_engine.kernels(torch.float32)
+    assert type(kn) is Int8Kernels
+    emb = spec_engine.embedding()
+    rt = load_runtime(spec_engine)
+    head = load_head(rt.path, emb.float())
+    q8 = HeadRunner(head, emb, 64, kernels=kn)
+    f16 = HeadRunner(head, emb, 64, kernels=CpuGemmKernels())
+    assert q8.param_bytes < 0.6 * f16.param_bytes
+    taps = torch.randn(6, 3, spec_engine.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids = [5, 6, 7, 8, 9, 10]
+    a = q8.forward(ids, q8.fuse(taps), torch.arange(1, 7))
+    b = f16.forward(ids, f16.fuse(taps), torch.arange(1, 7))
+    for x, y in zip(a, b, strict=True):  # outputs and logits: int8 rounding only
+        err = ((x - y).norm() / y.norm()).item()
+        assert err < 0.03, err
+    agree = (a[1].argmax(-1) == b[1].argmax(-1)).float().mean().item()
+    assert agree >= 0.8, agree
+
+
+def test_a_heads_few_row_products_run_on_one_thread(monkeypatch):
+    """Fewer than FEW_ROWS rows: one thread (a product split over OpenMP's passive pool
+    wakes a sleeping thread each time); more rows: the kernel's own rule."""
+    seen: list[int | None] = []
+    real = cpu_gemm.mm
+
+    def spy(x, p, bias=None, res=None, threads=None):
+        seen.append(threads)
+        return real(x, p, bias, res, threads)
+
+    monkeypatch.setattr(cpu_gemm, "mm", spy)
+    kn = CpuGemmKernels()
+    w = kn.pack(torch.randn(64, 48))
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        pytest.skip("no CPU panels here")
+    few, many = torch.randn(FEW_ROWS - 1, 64), torch.randn(FEW_ROWS, 64)
+    torch.testing.assert_close(kn.linear(few, w), few @ cpu_gemm.unpack(w))
+    kn.linear(many, w)
+    assert seen == [1, None]
 
 
 def test_no_head_is_a_clear_error(tmp_path):
