@@ -239,7 +239,9 @@ def grow_draft(
     Returns ``(draft, depth of each node, head forwards made)``.
     """
     n_real = runner.length
-    lp = torch.log_softmax(root_logits.reshape(-1).float(), -1)
+    lp = root_logits.reshape(-1).float()
+    if depth > 1:  # a deeper node's score adds its parent's: log probabilities then
+        lp = torch.log_softmax(lp, -1)
     vals, idx = lp.topk(min(topk, lp.numel()))
     tree = _Tree()
     level = tree.add(runner.draft_ids[idx].tolist(), vals.tolist(), -1, 1)

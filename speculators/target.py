@@ -37,12 +37,14 @@ class Kernels(Protocol):
 
     def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor: ...
 
-    def decode_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
+    def chain_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, t: int = 1
     ) -> torch.Tensor | None:
-        """One new token's grouped-query attention: ``q`` (KV, G, D) over cache rows
-        ``0 .. past`` of ``k``, ``v`` (KV, S_max, D), its own row included; (KV, G, D).
-        ``None`` when there is no kernel for it (callers use SDPA then)."""
+        """Grouped-query attention of ``t`` new tokens in a chain after ``past`` cached ones:
+        ``q`` (KV, t * G, D), rows token-major (``i * G + g``), over ``k``, ``v`` (KV, S_max,
+        D) whose rows ``0 .. past + t`` are written; token ``i`` sees rows ``0 .. past + i``.
+        Returns (KV, t * G, D); ``None`` when there is no kernel for it (callers use SDPA
+        then)."""
         ...
 
 
@@ -61,8 +63,8 @@ class TorchKernels:
     def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, eps)
 
-    def decode_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
+    def chain_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, t: int = 1
     ) -> torch.Tensor | None:
         return None
 

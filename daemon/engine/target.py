@@ -56,10 +56,10 @@ class CpuGemmKernels:
     def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_gemm.rms_norm(x, w, eps)
 
-    def decode_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
+    def chain_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, t: int = 1
     ) -> torch.Tensor | None:
-        return cpu_gemm.attention(q, k, v, past, 1)
+        return cpu_gemm.attention(q, k, v, past, t)
 
 
 class Int8Kernels(CpuGemmKernels):
