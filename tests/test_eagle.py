@@ -17,7 +17,13 @@ import torch
 from codespec.daemon.engine import cpu_gemm, quant_gemm
 from codespec.daemon.engine.engine import GenParams
 from codespec.daemon.engine.lean import LeanRunner
-from codespec.daemon.engine.target import FEW_ROWS, CpuGemmKernels, Int8Kernels, quantize_q8_0
+from codespec.daemon.engine.target import (
+    FEW_ROWS,
+    HEAD_BLOCKS,
+    CpuGemmKernels,
+    Int8Kernels,
+    quantize_blocks,
+)
 from codespec.speculators.book import PolicyStore
 from codespec.speculators.draft import Draft, MissingWeights, StepResult
 from codespec.speculators.eagle import (
@@ -336,24 +342,27 @@ needs_i8 = pytest.mark.skipif(
 
 
 @needs_i8
-def test_int8_kernels_hold_a_heads_matrices_in_q8_0_blocks():
-    """Int8Kernels packs an (in, out) weight into Q8_0 blocks (half a 16-bit panel's bytes)
-    and multiplies as the int8 runner does: the same numbers as linear_i8 over those blocks,
-    within Q8_0's rounding of the fp32 product, the residual added; a matrix whose inputs
-    are no multiple of 32 keeps CpuGemmKernels' panels and products."""
+def test_int8_kernels_hold_a_heads_matrices_in_gguf_blocks():
+    """Int8Kernels packs an (in, out) weight into HEAD_BLOCKS blocks and multiplies as the
+    int8 runner does: the same numbers as linear_i8 over those blocks, within x's int8
+    rounding of the product with the blocks' own weights, the residual added; a matrix
+    whose inputs are no multiple of 32 keeps CpuGemmKernels' panels and products."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 80, generator=g) * 0.1  # (in, out)
     x, res = torch.randn(3, 96, generator=g), torch.randn(3, 80, generator=g)
     kn = Int8Kernels()
     packed = kn.pack(w)
-    assert isinstance(packed, quant_gemm.QuantMatrix) and packed.qtype == "Q8_0"
+    assert isinstance(packed, quant_gemm.QuantMatrix) and packed.qtype == HEAD_BLOCKS
     assert (packed.n, packed.k) == (80, 96)
-    blocks = quantize_q8_0(w.t().contiguous().numpy())
-    ref = quant_gemm.QuantMatrix.from_bytes(blocks, "Q8_0", 80, 96)
+    blocks = quantize_blocks(w.t().contiguous().numpy(), HEAD_BLOCKS)
+    ref = quant_gemm.QuantMatrix.from_bytes(blocks, HEAD_BLOCKS, 80, 96)
     assert torch.equal(kn.linear(x, packed), quant_gemm.linear_i8(x, ref))
-    assert torch.equal(kn.linear(x, packed, res), quant_gemm.linear_i8(x, ref, res=res))
-    torch.testing.assert_close(kn.linear(x, packed, res), x @ w + res, rtol=0, atol=0.03)
-    odd = torch.randn(40, 48, generator=g)  # 40 inputs: no Q8_0 blocks
+    got = kn.linear(x, packed, res)
+    assert torch.equal(got, quant_gemm.linear_i8(x, ref, res=res))
+    want = x @ ref.dequantize().t() + res  # the blocks' own weights, exact x
+    assert ((got - want).norm() / want.norm()).item() < 0.01
+    assert ((got - (x @ w + res)).norm() / want.norm()).item() < 0.1  # 4-bit weights
+    odd = torch.randn(40, 48, generator=g)  # 40 inputs: no blocks
     plain = CpuGemmKernels()
     assert isinstance(kn.pack(odd), torch.Tensor)
     xo = torch.randn(2, 40, generator=g)
@@ -363,7 +372,9 @@ def test_int8_kernels_hold_a_heads_matrices_in_q8_0_blocks():
 @needs_i8
 def test_an_int8_target_gives_its_head_int8_kernels(spec_engine, monkeypatch):
     """A lean runner with int8 block products hands its draft head Int8Kernels; one with
-    exact products CpuGemmKernels. The int8 head's outputs follow the 16-bit head's."""
+    exact products CpuGemmKernels. The int8 head's outputs follow the 16-bit head's
+    (random taps into a head trained for a few steps give flat logits, where the likeliest
+    token can swap with a near tie: the draft distributions are compared instead)."""
     assert type(spec_engine.kernels(torch.float32)) is CpuGemmKernels  # the tiny model
     monkeypatch.setattr(spec_engine.runner, "int8", True, raising=False)
     kn = spec_engine.kernels(torch.float32)
@@ -378,11 +389,11 @@ def test_an_int8_target_gives_its_head_int8_kernels(spec_engine, monkeypatch):
     ids = [5, 6, 7, 8, 9, 10]
     a = q8.forward(ids, q8.fuse(taps), torch.arange(1, 7))
     b = f16.forward(ids, f16.fuse(taps), torch.arange(1, 7))
-    for x, y in zip(a, b, strict=True):  # outputs and logits: int8 rounding only
+    for x, y in zip(a, b, strict=True):  # outputs and logits: the blocks' rounding only
         err = ((x - y).norm() / y.norm()).item()
-        assert err < 0.03, err
-    agree = (a[1].argmax(-1) == b[1].argmax(-1)).float().mean().item()
-    assert agree >= 0.8, agree
+        assert err < 0.1, err
+    tv = (a[1].softmax(-1) - b[1].softmax(-1)).abs().sum(-1) / 2  # total variation per row
+    assert tv.max().item() < 0.1, tv
 
 
 def test_a_heads_few_row_products_run_on_one_thread(monkeypatch):
