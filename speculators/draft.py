@@ -294,6 +294,12 @@ class Proposer(Protocol):
     request after the prefill with the taps of every prompt position,
     ``(P, len(taps), H)``, cached positions included.
 
+    A proposer that queues work while it is not asked (EAGLE: the target's states of
+    the steps other proposers drafted) may define ``catch_up(context)``: do that work
+    now, for ``context``. The policy calls it right before ``propose`` and times it
+    apart: a cost of switching to the proposer, paid once however long it then drafts,
+    left out of its drafting time and of its measured speed.
+
     The engine drives one proposer per request, the policy (``policy.py``), which
     drives the proposers under it: ``observe`` on the one whose draft a step
     verified, ``follow`` on the others."""

@@ -343,6 +343,11 @@ class EagleProposer:
             self._pending = []
         return self._root is not None
 
+    def catch_up(self, context: Sequence[int]) -> None:
+        """Flush the queued taps into the head cache now (see :meth:`sync`): the policy
+        times this apart from drafting."""
+        self.sync(context)
+
     def propose(self, context: Sequence[int], budget: int) -> Draft | None:
         if budget < 1 or not self.sync(context):
             return None

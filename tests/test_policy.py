@@ -412,6 +412,42 @@ def test_a_slow_first_ask_does_not_make_a_proposer_costly(engine):
     assert store.own["ngram"].at(16) < 25.0 and not store.retired
 
 
+class CatchingUp(ScriptedProposer):
+    """Correct drafts, quick to make; its catch_up takes 150 ms once a request (what EAGLE
+    does when it flushes the states it queued while other proposers drafted)."""
+
+    def begin(self, request) -> None:
+        super().begin(request)
+        self.behind = True
+
+    def catch_up(self, context) -> None:
+        if self.behind:
+            self.behind = False
+            time.sleep(0.15)
+
+
+def test_catching_up_is_a_switching_cost_not_a_step_cost(engine):
+    """A proposer's catch_up is timed apart: its speed (the ms of the steps it was in
+    charge of), its drafting time and the rest of a step never see it, so one 150 ms
+    catch-up does not make a proposer that drafts right look slow."""
+    prompt = heldout_prompts(engine, 1, tokens=120, seed=6)[0]
+    oracle = plain(engine, prompt, 40)
+    store = PolicyStore()
+    ctl = Controller(
+        engine, {"ngram": CatchingUp(oracle, "correct", engine.runner.vocab_size)}, store
+    )
+    t0 = time.perf_counter()
+    out, stats = run(engine, prompt, ctl)
+    wall = (time.perf_counter() - t0) * 1000
+    assert out == oracle and wall > 150  # it did catch up, once
+    assert ctl.choices == {"ngram": stats.decode_steps}
+    book = store.engine_wide["greedy"]
+    assert book.ms["ngram"].n >= 2
+    slowest = max(wall - 150, 1.0)  # every step's ms together, the catch-up left out
+    assert book.ms["ngram"].value < slowest / 2  # an average step, not one with 150 ms in
+    assert store.rest.value < 50 and store.own["ngram"].at(8) < 50
+
+
 def test_later_cheap_proposers_are_not_asked_when_an_earlier_offer_is_enough(engine):
     """A cheap proposer whose drafts are accepted whole fills the step: the next cheap one
     is not asked (its own time would be spent for nothing); with nothing offered before
