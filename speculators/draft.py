@@ -294,6 +294,11 @@ class Proposer(Protocol):
     request after the prefill with the taps of every prompt position,
     ``(P, len(taps), H)``, cached positions included.
 
+    ``prior_acceptance`` (optional attribute): the acceptance its drafts were measured at,
+    by depth, each given its parent accepted (a trained head's held-out figures); the
+    policy starts its figures for the proposer's first-child nodes there instead of at
+    its generic prior.
+
     A proposer that queues work while it is not asked (EAGLE: the target's states of
     the steps other proposers drafted) may define ``catch_up(context)``: do that work
     now, for ``context``. The policy calls it right before ``propose`` and times it

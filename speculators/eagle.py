@@ -34,6 +34,7 @@ cost grows with them); positions keep their absolute values.
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -80,10 +81,24 @@ def head_dir(model_path: str | Path) -> Path:
 
 @dataclass
 class EagleRuntime:
-    """What outlives one request: the head runner (and its cache buffer) and its folder."""
+    """What outlives one request: the head runner (and its cache buffer), its folder and
+    the acceptance it was measured at (:func:`measured_acceptance`)."""
 
     runner: HeadRunner
     path: Path
+    acceptance: tuple[float, ...] = ()
+
+
+def measured_acceptance(where: Path) -> tuple[float, ...]:
+    """The held-out acceptance by depth (each given its parent accepted) that
+    ``codespec train-eagle`` wrote beside a head (``training.json``); () when there is
+    none or it does not read as rates in (0, 1]."""
+    try:
+        figures = json.loads((where / "training.json").read_text())
+        rates = tuple(float(r) for r in figures["heldout_teacher_forced_conditional"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+    return rates if all(0.0 < r <= 1.0 for r in rates) else ()
 
 
 _RUNTIMES: weakref.WeakKeyDictionary[Any, dict[str, EagleRuntime]] = weakref.WeakKeyDictionary()
@@ -132,7 +147,7 @@ def _load_runtime(target: TargetModel, where: Path) -> EagleRuntime:
     runner = HeadRunner(
         head, embed, target.max_length + 64, target.device, dtype, target.kernels(dtype)
     )
-    return EagleRuntime(runner, where)
+    return EagleRuntime(runner, where, measured_acceptance(where))
 
 
 @dataclass
@@ -283,6 +298,8 @@ class EagleProposer:
         if depth < 1 or topk < 1 or max_nodes < 1:
             raise ValueError("depth, topk and max_nodes must be at least 1")
         self.head = runtime.runner
+        # where the policy's figures for its drafts start (Proposer.prior_acceptance)
+        self.prior_acceptance = runtime.acceptance
         self.taps = tuple(self.head.cfg.taps)
         self.depth = depth
         self.topk = topk

@@ -171,6 +171,10 @@ class Controller:
             taps += [t for t in getattr(p, "taps", ()) or () if t not in taps]
         self.taps = tuple(taps)
         self.children = {n: _Child(n, p, self.taps) for n, p in children.items()}
+        # the acceptance proposers declare for their drafts (Proposer.prior_acceptance)
+        self.declared = {
+            n: tuple(getattr(p, "prior_acceptance", ()) or ()) for n, p in children.items()
+        }
         self.info: RequestInfo | None = None
         self.tclass = "greedy"
         self.doc: Book = Book()
@@ -374,9 +378,10 @@ class Controller:
 
     def _rate(self, key: Key) -> float:
         """A node key's acceptance rate (cached for the step): the document's counts pulled
-        towards the engine's, pulled towards the prior: for depth 1 the fixed one (for a
-        sampled class, greedy's rate times :data:`TEMPERATURE_PRIOR`), deeper the rate of
-        the same key one level shallower."""
+        towards the engine's, pulled towards the prior: the rate the proposer declares for
+        that depth where it does (``prior_acceptance``), else for depth 1 the fixed one,
+        deeper the rate of the same key one level shallower (for a sampled class, a
+        declared or depth-1 prior through greedy's rate, times :data:`TEMPERATURE_PRIOR`)."""
         r = self._rates.get(key)
         if r is None:
             r = self._rates[key] = self._estimate(key)
@@ -385,16 +390,25 @@ class Controller:
     def _estimate(self, key: Key) -> float:
         now = self.store.steps
         source, match, depth, later = key
-        if depth > 1:
+        declared = self._declared(source, depth, later)
+        if depth > 1 and declared is None:
             base = self._rate((source, match, depth - 1, later))
-        elif self.tclass == "greedy":
-            base = prior(key)
         else:
-            greedy = self.store.engine_wide.get("greedy")
-            base = prior(key) if greedy is None else greedy.accept.rate(key, now, prior(key))
-            base *= TEMPERATURE_PRIOR
+            first = declared if declared is not None else prior(key)
+            if self.tclass == "greedy":
+                base = first
+            else:
+                greedy = self.store.engine_wide.get("greedy")
+                base = first if greedy is None else greedy.accept.rate(key, now, first)
+                base *= TEMPERATURE_PRIOR
         r = self.glob.accept.rate(key, now, base)
         return r if self.doc is self.glob else self.doc.accept.rate(key, now, r)
+
+    def _declared(self, source: str, depth: int, later: bool) -> float | None:
+        """The rate the proposer behind ``source`` declares for a first child at depth
+        bucket ``depth`` (buckets 1-4 are depths 1-4); None where it declares none."""
+        rates = self.declared.get(source.partition(":")[0], ())
+        return rates[depth - 1] if not later and depth <= min(4, len(rates)) else None
 
     def _speed(self, name: str) -> float | None:
         """A proposer's realised tokens per ms: the document's, else the engine's, else

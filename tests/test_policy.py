@@ -3,8 +3,10 @@ proposers and backs off (speculators/policy.py, book.py, acceptance.py, costs.py
 
 from __future__ import annotations
 
+import json
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -446,6 +448,42 @@ def test_catching_up_is_a_switching_cost_not_a_step_cost(engine):
     slowest = max(wall - 150, 1.0)  # every step's ms together, the catch-up left out
     assert book.ms["ngram"].value < slowest / 2  # an average step, not one with 150 ms in
     assert store.rest.value < 50 and store.own["ngram"].at(8) < 50
+
+
+def test_a_proposer_may_declare_where_its_acceptance_starts():
+    """A proposer's prior_acceptance (per depth, each given its parent) is where the policy
+    starts its first-child nodes' rates, before anything is measured; deeper than it
+    declares, the rate one level shallower; later siblings and other proposers keep the
+    generic prior. Measured hits move the rate from there."""
+    store = store_with(0.3)
+    declaring = Fixed([1, 2, 3, 4, 5, 6], source="eagle")
+    declaring.prior_acceptance = (0.3, 0.2)
+    ctl = Controller(None, {"eagle": declaring, "ngram": Fixed([7], "ngram:context")}, store)
+    ctl.begin(RequestInfo(prompt_ids=[1, 2, 3], uri="u", max_tokens=8))
+    assert ctl._rate(("eagle", 0, 1, False)) == pytest.approx(0.3)
+    assert ctl._rate(("eagle", 0, 2, False)) == pytest.approx(0.2)
+    assert ctl._rate(("eagle", 0, 3, False)) == pytest.approx(0.2)  # one level shallower
+    assert ctl._rate(("eagle", 0, 1, True)) == pytest.approx(policy.prior(("eagle", 0, 1, True)))
+    assert ctl._rate(("ngram:context", 3, 1, False)) == pytest.approx(PRIOR_FIRST)
+    for _ in range(20):  # drafts of depth 1 always accepted
+        ctl.glob.accept.learn(Draft.chain([1], "eagle"), [0], store.steps)
+    ctl._rates = {}
+    assert ctl._rate(("eagle", 0, 1, False)) > 0.8
+
+
+def test_the_eagle_head_declares_its_held_out_acceptance(tmp_path):
+    """training.json's held-out acceptance by depth is what an EAGLE runtime declares;
+    no file, or figures that are not rates, declare nothing."""
+    from codespec.speculators.eagle import measured_acceptance
+
+    assert measured_acceptance(tmp_path) == ()
+    (tmp_path / "training.json").write_text('{"heldout_teacher_forced_conditional": [0.4, 2]}')
+    assert measured_acceptance(tmp_path) == ()
+    (tmp_path / "training.json").write_text('{"heldout_teacher_forced_conditional": [0.4, 0.3]}')
+    assert measured_acceptance(tmp_path) == (0.4, 0.3)
+    shipped = Path(__file__).parent.parent / "speculators" / "heads" / "smollm2-135m-instruct"
+    figures = json.loads((shipped / "training.json").read_text())
+    assert measured_acceptance(shipped) == tuple(figures["heldout_teacher_forced_conditional"])
 
 
 def test_later_cheap_proposers_are_not_asked_when_an_earlier_offer_is_enough(engine):
