@@ -127,6 +127,7 @@ class _Child:
         self.backoff = Backoff(1, MOST_SKIPPED)
         self.source = name  # the source of its last draft's first node
         self.asked = False  # asked in this request (its first ask may catch up on the prompt)
+        self.asked_at = -1  # the request's step (Controller._step) of its last ask
 
     def hidden(self, h: Any) -> Any:
         if h is None or not self.taps:
@@ -188,6 +189,7 @@ class Controller:
         self._t_step = 0.0  # when the current step's propose started
         self._own = 0.0  # proposers' ms in the current step
         self._switch = 0.0  # proposers catching up this step (Proposer.catch_up): in no figure
+        self._step = 0  # this request's steps (the store's count is every request's)
         self._fwd = 0.0  # the current step's verify forward, ms
         self._tokens = 0  # tokens the current step produced
 
@@ -200,7 +202,7 @@ class Controller:
         self.choice, self.trial, self._t_step, self._tokens = "plain", None, 0.0, 0
         self._rates = {}
         for child in self.children.values():
-            child.asked = False
+            child.asked, child.asked_at = False, -1
             child.p.begin(request)
 
     def prefilled(self, hidden: Any) -> None:
@@ -214,6 +216,7 @@ class Controller:
         now = time.perf_counter()
         self._close_step(now)
         self.store.steps += 1
+        self._step += 1
         self._t_step, self._own, self._fwd, self._switch = now, 0.0, 0.0, 0.0
         self._rates = {}
         self._cheap_offers = []
@@ -320,16 +323,22 @@ class Controller:
     def _ask(
         self, child: _Child, context: Sequence[int], budget: int, step_ms: list[float]
     ) -> _Offer:
-        """Ask ``child`` for a draft (timed; its catching up timed apart) and cut it to the
-        part worth verifying."""
+        """Ask ``child`` for a draft (timed) and cut it to the part worth verifying. Its
+        catching up is its own time when it was asked the step before too (a step's worth
+        of queued work), else a switching cost, timed apart."""
+        caught = 0.0
         catch_up = getattr(child.p, "catch_up", None)
         if catch_up is not None:
             t0 = time.perf_counter()
             catch_up(context)
-            self._switch += (time.perf_counter() - t0) * 1000
+            caught = (time.perf_counter() - t0) * 1000
+            if child.asked_at != self._step - 1:
+                self._switch += caught
+                caught = 0.0
+        child.asked_at = self._step
         t0 = time.perf_counter()
         draft = child.p.propose(context, budget)
-        ms = (time.perf_counter() - t0) * 1000
+        ms = (time.perf_counter() - t0) * 1000 + caught
         self._own += ms
         nodes = len(draft) if draft is not None else 0
         if child.asked:  # a first ask's catching up on the prompt is not a step's cost

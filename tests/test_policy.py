@@ -415,23 +415,24 @@ def test_a_slow_first_ask_does_not_make_a_proposer_costly(engine):
 
 
 class CatchingUp(ScriptedProposer):
-    """Correct drafts, quick to make; its catch_up takes 150 ms once a request (what EAGLE
-    does when it flushes the states it queued while other proposers drafted)."""
+    """Correct drafts; its catch_up takes 150 ms on the request's first ask (what EAGLE does
+    when it flushes the states it queued while other proposers drafted), 5 ms on later
+    ones (a step's worth of states, when it was asked the step before)."""
 
     def begin(self, request) -> None:
         super().begin(request)
         self.behind = True
 
     def catch_up(self, context) -> None:
-        if self.behind:
-            self.behind = False
-            time.sleep(0.15)
+        time.sleep(0.15 if self.behind else 0.005)
+        self.behind = False
 
 
 def test_catching_up_is_a_switching_cost_not_a_step_cost(engine):
-    """A proposer's catch_up is timed apart: its speed (the ms of the steps it was in
-    charge of), its drafting time and the rest of a step never see it, so one 150 ms
-    catch-up does not make a proposer that drafts right look slow."""
+    """A proposer's catch_up after steps it was not asked is timed apart: its speed (the
+    ms of the steps it was in charge of), its drafting time and the rest of a step never
+    see it, so one 150 ms catch-up does not make a proposer that drafts right look slow.
+    Asked the step before too, its catch-up is a step's work: its own time."""
     prompt = heldout_prompts(engine, 1, tokens=120, seed=6)[0]
     oracle = plain(engine, prompt, 40)
     store = PolicyStore()
@@ -447,7 +448,7 @@ def test_catching_up_is_a_switching_cost_not_a_step_cost(engine):
     assert book.ms["ngram"].n >= 2
     slowest = max(wall - 150, 1.0)  # every step's ms together, the catch-up left out
     assert book.ms["ngram"].value < slowest / 2  # an average step, not one with 150 ms in
-    assert store.rest.value < 50 and store.own["ngram"].at(8) < 50
+    assert store.rest.value < 50 and 5 <= store.own["ngram"].at(8) < 50
 
 
 def test_a_proposer_may_declare_where_its_acceptance_starts():
