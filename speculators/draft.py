@@ -303,7 +303,8 @@ class Proposer(Protocol):
     the steps other proposers drafted) may define ``catch_up(context)``: do that work
     now, for ``context``. The policy calls it right before ``propose`` and times it
     apart: a cost of switching to the proposer, paid once however long it then drafts,
-    left out of its drafting time and of its measured speed.
+    left out of its drafting time and of its measured speed (when it was asked the step
+    before too, what it catches up is one step's work: its drafting time).
 
     The engine drives one proposer per request, the policy (``policy.py``), which
     drives the proposers under it: ``observe`` on the one whose draft a step

@@ -371,9 +371,10 @@ class Controller:
 
     def _close_step(self, now: float) -> None:
         """Credit the step that just ended (propose to propose): the rest of a step, and
-        the tokens and ms to whoever was in charge; a proposer's catching up counts for
-        neither (a switching cost: in a trial's few steps it priced EAGLE, drafting at
-        1.02-1.05x of plain decoding's speed, far below it, and retired it)."""
+        the tokens and ms to whoever was in charge; a proposer's catching up after steps
+        it was not asked counts for neither (a switching cost: in a trial's few steps it
+        priced EAGLE, drafting at 1.02-1.05x of plain decoding's speed, far below it, and
+        retired it)."""
         if not self._t_step or not self._tokens:
             return
         ms = (now - self._t_step) * 1000 - self._switch
