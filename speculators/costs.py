@@ -37,6 +37,18 @@ FRESH = 0.5  # the weight below which a size between two fresher ones is interpo
 CLIP = 1.5
 
 
+def _between(p0: tuple[int, float], p1: tuple[int, float], n: int) -> float:
+    """The ms of size ``n`` on the line from ``p0`` to ``p1`` (sizes, ms), read between them."""
+    (s0, m0), (s1, m1) = p0, p1
+    return max(m0 + (m1 - m0) * (n - s0) / (s1 - s0), 1e-3)
+
+
+def _past(p0: tuple[int, float], p1: tuple[int, float], n: int) -> float:
+    """The same line read past ``p1``, the last measured size."""
+    (s0, m0), (s1, m1) = p0, p1
+    return max(m1 + (m1 - m0) / (s1 - s0) * (n - s1), 1e-3)
+
+
 def _bucket(n: int) -> int:
     """Index of the nearest measured size at or below ``n``."""
     return max(0, bisect.bisect_right(SIZES, n) - 1)
@@ -134,11 +146,10 @@ class ForwardCosts:
             return ms * (1.0 + 0.1 * (n - size)) if n >= size else ms
         if n <= pts[0][0]:
             return max(pts[0][1], 1e-3)
-        for (s0, m0), (s1, m1) in itertools.pairwise(pts):
-            if n <= s1:
-                return max(m0 + (m1 - m0) * (n - s0) / (s1 - s0), 1e-3)
-        (s0, m0), (s1, m1) = pts[-2], pts[-1]
-        return max(m1 + (m1 - m0) / (s1 - s0) * (n - s1), 1e-3)
+        for p0, p1 in itertools.pairwise(pts):
+            if n <= p1[0]:
+                return _between(p0, p1, n)
+        return _past(pts[-2], pts[-1], n)
 
     def table(self, most: int) -> list[float]:
         """``[at(0), at(1), ..., at(most)]`` (``at(0)`` is ``at(1)``), for a caller that
@@ -153,11 +164,9 @@ class ForwardCosts:
             while seg < len(pts) - 1 and n > pts[seg + 1][0]:
                 seg += 1
             if seg < len(pts) - 1:  # between two measured sizes
-                (s0, m0), (s1, m1) = pts[seg], pts[seg + 1]
-                out.append(max(m0 + (m1 - m0) * (n - s0) / (s1 - s0), 1e-3))
-            else:  # past the last: at()'s extrapolation
-                (s0, m0), (s1, m1) = pts[-2], pts[-1]
-                out.append(max(m1 + (m1 - m0) / (s1 - s0) * (n - s1), 1e-3))
+                out.append(_between(pts[seg], pts[seg + 1], n))
+            else:  # past the last
+                out.append(_past(pts[-2], pts[-1], n))
         return out
 
     def relative(self, n: int) -> float:

@@ -16,7 +16,7 @@ import torch
 
 from codespec.daemon.engine import qstack
 
-__all__ = ["flat_weights", "kv_bytes", "param_bytes", "product_macs"]
+__all__ = ["distinct_weights", "flat_weights", "kv_bytes", "param_bytes", "product_macs"]
 
 
 def flat_weights(obj: Any) -> list[Any]:
@@ -28,20 +28,26 @@ def flat_weights(obj: Any) -> list[Any]:
     return [] if obj is None else [obj]
 
 
+def distinct_weights(obj: Any) -> list[Any]:
+    """:func:`flat_weights`, each weight once: a tensor by its storage (the tied embedding
+    is the LM head), a matrix object by identity."""
+    seen: set[int] = set()
+    out = []
+    for t in flat_weights(obj):
+        key = t.data_ptr() if isinstance(t, torch.Tensor) else id(t)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
 def param_bytes(runner: Any) -> int:
     """Bytes of weights one forward reads (the tied embedding counted once, as the LM head;
     GGUF blocks as stored)."""
-    seen: set[int] = set()
-    total = 0
-    for t in flat_weights([runner.lm_head_t, runner.norm, runner.layers]):
-        if isinstance(t, torch.Tensor):
-            ptr, size = t.data_ptr(), t.numel() * t.element_size()
-        else:  # a QuantMatrix, or any matrix object that knows its bytes
-            ptr, size = id(t), int(t.nbytes)
-        if ptr not in seen:
-            seen.add(ptr)
-            total += size
-    return total
+    return sum(
+        t.numel() * t.element_size() if isinstance(t, torch.Tensor) else int(t.nbytes)
+        for t in distinct_weights([runner.lm_head_t, runner.norm, runner.layers])
+    )  # a QuantMatrix, or any matrix object, knows its bytes
 
 
 def kv_bytes(runner: Any, tokens: int) -> int:
@@ -57,14 +63,7 @@ def product_macs(runner: Any) -> int:
     """Multiply-adds of one token's matrix products: every matrix of the layers and the LM
     head once (rows x columns; norms and biases left out, attention too: it grows with the
     context and is not a weight product)."""
-    seen: set[int] = set()
-    total = 0
-    for t in flat_weights([runner.lm_head_t, runner.layers]):
-        if isinstance(t, torch.Tensor):
-            key, macs = t.data_ptr(), t.numel() if t.dim() >= 2 else 0  # (panels: 3-D)
-        else:  # a QuantMatrix or another matrix object that knows its (n, k)
-            key, macs = id(t), int(t.n) * int(t.k)
-        if key not in seen:
-            seen.add(key)
-            total += macs
-    return total
+    return sum(
+        (t.numel() if t.dim() >= 2 else 0) if isinstance(t, torch.Tensor) else int(t.n) * int(t.k)
+        for t in distinct_weights([runner.lm_head_t, runner.layers])
+    )  # panels are 3-D; a QuantMatrix, or another matrix object, knows its (n, k)

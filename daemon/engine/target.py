@@ -89,7 +89,7 @@ class Int8Kernels(CpuGemmKernels):
 
     def linear(self, x: torch.Tensor, w: Any, res: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(w, quant_gemm.QuantMatrix):
-            return quant_gemm.linear_i8(x.float().contiguous(), w, res=res, threads=_threads(x))
+            return quant_gemm.linear_i8(x.float(), w, res=res, threads=_threads(x))
         return super().linear(x, w, res)
 
 
