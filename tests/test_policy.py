@@ -69,6 +69,12 @@ class Fixed:
         pass
 
 
+# asked_every_step: the engine asks the proposer on every decode step but a last one
+# with a single token left to write (no room for a draft), and whether a request ends so
+# depends on how many nodes the timed cuts kept: a count of the steps the controller was
+# asked (store.steps) is exact, decode_steps is one more in some runs.
+
+
 def store_with(per_token: float, rest: float = 0.0) -> PolicyStore:
     """A store whose forward of n tokens takes 1 + per_token * (n - 1) ms and whose rest of
     a step takes ``rest`` ms."""
@@ -408,9 +414,11 @@ def test_a_slow_first_ask_does_not_make_a_proposer_costly(engine):
         ctl = Controller(
             engine, {"ngram": SlowFirst(oracle, "correct", engine.runner.vocab_size)}, store
         )
+        before = store.steps
         out, stats = run(engine, prompt, ctl)
         assert out == oracle
-        assert ctl.choices == {"ngram": stats.decode_steps}
+        assert ctl.choices == {"ngram": store.steps - before}  # every step it was asked
+        assert store.steps - before >= stats.decode_steps - 1  # see asked_every_step
     assert store.own["ngram"].at(16) < 25.0 and not store.retired
 
 
@@ -443,7 +451,8 @@ def test_catching_up_is_a_switching_cost_not_a_step_cost(engine):
     out, stats = run(engine, prompt, ctl)
     wall = (time.perf_counter() - t0) * 1000
     assert out == oracle and wall > 150  # it did catch up, once
-    assert ctl.choices == {"ngram": stats.decode_steps}
+    assert ctl.choices == {"ngram": store.steps}  # every step it was asked
+    assert store.steps >= stats.decode_steps - 1  # see asked_every_step
     book = store.engine_wide["greedy"]
     assert book.ms["ngram"].n >= 2
     slowest = max(wall - 150, 1.0)  # every step's ms together, the catch-up left out
