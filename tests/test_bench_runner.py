@@ -56,6 +56,29 @@ def test_int8_runners_are_set_against_the_dot_products_rate(default_model_dir, c
         )
 
 
+def test_the_panels_runner_times_the_stack_without_its_row_split(default_model_dir, capsys):
+    """``gguf-i8-panels`` is ``gguf-i8`` with every forward shared out by panels: timed on
+    two threads, none of its forwards (16 tokens, the 32-token prefill) goes by rows, where
+    ``gguf-i8``'s do, and the stack's setting is left as it was."""
+    from codespec.daemon.engine import quant_gemm
+
+    if not quant_gemm.i8_available():
+        pytest.skip(f"no int8 product path here ({quant_gemm.unavailable_reason()})")
+    lib = quant_gemm.library()
+    setting = lib.cs_lean_row_split(-1)
+    by_rows = []
+    for runner in ("gguf-i8-panels", "gguf-i8"):
+        before = lib.cs_lean_row_forwards()
+        argv = ["runner", "--runners", runner, "--contexts", "32",
+                "--tokens", "1,16", "--reps", "1", "--threads", "2"]  # fmt: skip
+        assert dispatch(argv) == 0
+        rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+        assert {(r["runner"], r["tokens"]) for r in rows} == {(runner, 1), (runner, 16)}
+        by_rows.append(lib.cs_lean_row_forwards() - before)
+        assert lib.cs_lean_row_split(-1) == setting
+    assert by_rows[0] == 0 and by_rows[1] > 0
+
+
 def test_the_dot_product_rate_is_measured_per_path_and_zero_without_one():
     from codespec.daemon.engine import quant_gemm
 

@@ -440,6 +440,66 @@ def test_thread_shares_change_no_number(model_file: Path) -> None:
         lib.cs_lean_split(split)
 
 
+def test_sharing_out_by_rows_changes_no_number(model_file: Path) -> None:
+    """From cs_lean_row_split's token count on, two threads take a forward's tokens apart
+    (each through every product, its own attention tasks, one barrier a layer) instead of
+    each product's panels: the same logits, taps (hidden states) and greedy stops bit for
+    bit as by panels and as one thread, for a prefill, chains, a tree whose branches fall
+    on both sides of the cut and any cut the thread shares give (0.25 / 0.75 of two)."""
+    if not quant_gemm.i8_available():
+        pytest.skip("no int8 product path on this CPU")
+    lib = quant_gemm.library()
+    assert lib is not None
+    runner = LeanRunner.from_gguf(model_file, max_length=128, int8=True)
+    v, taps = runner.vocab_size, (1, runner.num_layers)
+    tree = [-1, 0, 1, 2, 0, 4, 5, -1, 7, 8, 3, 10]
+
+    def run(threads: int) -> list[torch.Tensor]:
+        runner.reset()
+        torch.set_num_threads(threads)
+        try:
+            outs = [
+                runner.forward(_ids(40, 8, v), taps=taps),
+                runner.forward([3], taps=taps),
+                runner.forward(_ids(12, 9, v), tree, taps=taps),
+            ]
+            runner.keep([0, 1, 2, 3, 10, 11])
+            outs.append(runner.forward(_ids(16, 10, v), taps=taps))
+            outs.append(runner.forward(_ids(5, 11, v), greedy=True))
+        finally:
+            torch.set_num_threads(1)
+        got = []
+        for o in outs:
+            got.append(o.logits)
+            if o.hidden is not None:
+                got.append(o.hidden)
+            if o.best is not None:
+                got.append(torch.tensor(o.best))
+        return got
+
+    before, adapt = lib.cs_lean_row_split(0), lib.cs_lean_split_adapt(0)
+    split = lib.cs_lean_split(0.5)
+    try:
+        by_rows = lib.cs_lean_row_forwards()
+        ref = run(1)
+        for a, b in zip(run(2), ref, strict=True):
+            assert torch.equal(a, b), "by panels"
+        assert lib.cs_lean_row_forwards() == by_rows  # 0: never by rows
+        for rows_from, f, shared in ((2, 0.5, 4), (8, 0.5, 3), (2, 0.25, 4), (2, 0.75, 4)):
+            lib.cs_lean_row_split(rows_from)
+            lib.cs_lean_split(f)
+            for a, b in zip(run(2), ref, strict=True):
+                assert torch.equal(a, b), f"by rows from {rows_from} tokens, split {f}"
+            assert lib.cs_lean_row_forwards() - by_rows == shared  # those of rows_from tokens
+            by_rows = lib.cs_lean_row_forwards()
+        run(1)
+        assert lib.cs_lean_row_forwards() == by_rows  # one thread: nothing to share
+    finally:
+        lib.cs_lean_row_split(before)
+        lib.cs_lean_split_adapt(adapt)
+        lib.cs_lean_split(split)
+
+
 def test_int8_products_keep_rows_equal(tmp_path: Path) -> None:
     """int8=True (x rounded to int8 for the block products, llama.cpp's way): its verify
     rows still equal its decode rows bit for bit, and its logits stay near the exact ones."""

@@ -10,6 +10,9 @@ Runners over the same model (``--runners``, those that apply):
   model made from a GGUF;
 - ``gguf-i8-fp32att``: ``gguf-i8`` with fp32 attention over an fp16 cache (what it ran
   before bf16 attention), for comparisons;
+- ``gguf-i8-panels``: ``gguf-i8`` with every forward's layers shared out between the
+  threads by each product's panels (``CODESPEC_ROW_SPLIT=0``; what it ran before
+  forwards of 8 tokens or more went by tokens), for comparisons;
 - ``fp16``: the lean runner on the folder's safetensors as 16-bit ``cpu_gemm`` panels
   (the engine's runner before GGUF blocks; an fp32 checkpoint keeps fp32 panels);
 - ``torch-int8`` / ``torch-int4``: the lean runner's torch path with every matrix through
@@ -53,10 +56,12 @@ builds runners through their public constructors only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +71,16 @@ from codespec.daemon.engine import gguf_weights, models, quant_gemm
 from codespec.daemon.engine.footprint import kv_bytes, param_bytes, product_macs
 from codespec.daemon.engine.lean import LeanRunner
 
-RUNNERS = ("gguf", "gguf-i8", "gguf-i8-fp32att", "fp16", "torch-int8", "torch-int4")
+RUNNERS = (
+    "gguf",
+    "gguf-i8",
+    "gguf-i8-fp32att",
+    "gguf-i8-panels",
+    "fp16",
+    "torch-int8",
+    "torch-int4",
+)
+BY_PANELS = ("gguf-i8-panels",)  # timed with the stack's row split off
 
 
 class WeightOnly:
@@ -156,10 +170,26 @@ def measure_bandwidth(reps: int = 15) -> dict[str, float]:
     return out
 
 
-def _timed(runner: LeanRunner, ids: list[int], back_to: int) -> float:
-    t0 = time.perf_counter()
-    runner.forward(ids)
-    dt = time.perf_counter() - t0
+@contextlib.contextmanager
+def _sharing(label: str) -> Iterator[None]:
+    """The stack's row split off (its token count 0) while ``label`` is timed, if it is one
+    of :data:`BY_PANELS`: a process-wide setting, so set around each of its forwards."""
+    lib = quant_gemm.library() if label in BY_PANELS else None
+    if lib is None:
+        yield
+        return
+    old = lib.cs_lean_row_split(0)
+    try:
+        yield
+    finally:
+        lib.cs_lean_row_split(old)
+
+
+def _timed(runner: LeanRunner, ids: list[int], back_to: int, label: str = "") -> float:
+    with _sharing(label):
+        t0 = time.perf_counter()
+        runner.forward(ids)
+        dt = time.perf_counter() - t0
     runner.truncate(back_to)
     return dt
 
@@ -175,10 +205,11 @@ def time_context(
     first: dict[tuple[str, int], float] = {}
     for label, r in named.items():
         r.reset()
-        r.forward(prefix, last_only=True)
+        with _sharing(label):
+            r.forward(prefix, last_only=True)
         for t in sizes:  # warm-up, and a first time for the budget
-            _timed(r, draft[:t], ctx)
-            first[(label, t)] = _timed(r, draft[:t], ctx)
+            _timed(r, draft[:t], ctx, label)
+            first[(label, t)] = _timed(r, draft[:t], ctx, label)
     times: dict[tuple[str, int], list[float]] = {k: [] for k in first}
     labels = list(named)
     for rep in range(reps):
@@ -187,11 +218,11 @@ def time_context(
             for label in labels[k:] + labels[:k]:
                 if rep >= max(3, int(budget_s / max(first[(label, t)], 1e-6))):
                     continue
-                times[(label, t)].append(_timed(named[label], draft[:t], ctx))
+                times[(label, t)].append(_timed(named[label], draft[:t], ctx, label))
     return {k: statistics.median(v or [first[k]]) for k, v in times.items()}
 
 
-I8_RUNNERS = ("gguf-i8", "gguf-i8-fp32att")  # products by int8 dot products
+I8_RUNNERS = ("gguf-i8", "gguf-i8-fp32att", "gguf-i8-panels")  # products by int8 dot products
 
 
 def _rows(named, contexts, sizes, args, bw, gmacs: float) -> list[dict[str, Any]]:

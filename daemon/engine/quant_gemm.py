@@ -88,6 +88,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("cs_lean_att_gathered", i64, []),
         ("cs_lean_split", ctypes.c_double, [ctypes.c_double]),
         ("cs_lean_split_adapt", i32, [i32]),
+        ("cs_lean_row_split", i64, [i64]),
+        ("cs_lean_row_forwards", i64, []),
         ("cs_lean_spin_ns", i64, [i64]),
         ("cs_lean_spin_observe", None, [i64, i64, i64, i64]),
         ("cs_lean_spin_reset", None, []),

@@ -680,9 +680,42 @@ int forward(const Model& m, const Fwd& f) {
   return f.stop ? static_cast<int>(done) : 0;
 }
 
+// Where each of `threads` threads' tokens start when a forward is shared out by rows
+// (g_row_split), and T at the end: cut so that each thread's share of the work is its
+// share of the threads (thread 0's `split` of two), a token's work being its products'
+// multiply-adds (int8, at about twice the rate of attention's bf16 ones) plus attention's
+// for the keys it sees. Every thread gets at least one token.
+std::vector<int64_t> row_starts(const Model& m, const Fwd& f, int64_t threads, double split) {
+  const int64_t T = f.T, H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
+  const double per_row =
+      0.5 * static_cast<double>(H * (NH + 2 * KV) * D + NH * D * H + 3 * H * m.inter);
+  const double per_key = 2.0 * static_cast<double>(NH * D);
+  std::vector<double> upto(T + 1, 0.0);  // work of tokens [0, t)
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t keys = f.past + t + 1;
+    if (f.anc) {
+      keys = f.past;
+      for (int64_t j = 0; j <= t; ++j) keys += f.anc[t * T + j] != 0;
+    }
+    upto[t + 1] = upto[t] + per_row + per_key * static_cast<double>(keys);
+  }
+  std::vector<int64_t> starts(threads + 1, 0);
+  starts[threads] = T;
+  for (int64_t i = 1; i < threads; ++i) {
+    const double share = threads == 2 ? split : static_cast<double>(i) / threads;
+    const double want = share * upto[T];
+    int64_t t = starts[i - 1] + 1;
+    while (t < T - (threads - i) && upto[t + 1] <= want) ++t;
+    if (t < T - (threads - i) && want - upto[t] > upto[t + 1] - want) ++t;
+    starts[i] = t;
+  }
+  return starts;
+}
+
 // forward() with int8 block products (team_ok) in one parallel region: each step's work is
 // shared out by rows (norms, x's quantization, RoPE, SiLU), panels (products), attention
-// tasks (taken in turn) or merged rows, with bar.wait() between steps. The same numbers
+// tasks (taken in turn) or merged rows, with bar.wait() between steps; from g_row_split
+// tokens on, each layer's whole work by tokens (layers_by_rows, cut by row_starts). The same numbers
 // as forward(): no result depends on which thread computes it.
 int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   const int64_t T = f.T, H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
@@ -690,8 +723,14 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   Bufs& b = bufs(T, m);
   embed(m, f, b.x.data());
   tap(m, f, 0, b.x.data());
+  const int64_t threads = f.threads > 1 ? f.threads : 1;
+  const double split = g_split.load(std::memory_order_relaxed);  // thread 0's, of two
+  // Shared out by rows (g_row_split): thread i's tokens are [starts[i], starts[i + 1]).
+  const int64_t row_min = g_row_split.load(std::memory_order_relaxed);
+  std::vector<int64_t> starts;
+  if (threads > 1 && row_min > 0 && T >= row_min && T >= threads) starts = row_starts(m, f, threads, split);
   Plan plan;
-  if (!make_plan(m, f, plan)) return -2;
+  if (!make_plan(m, f, plan, starts)) return -2;
   b.part.resize(KV * T * G * plan.nchunk * (Dp + 2));
   const int64_t kmax = H > I ? (H > NH * D ? H : NH * D) : (I > NH * D ? I : NH * D);
   void* xq = cs_qgemm_i8_buffer(T, kmax);
@@ -701,8 +740,6 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   std::atomic<int64_t> next{0}, done{0};
   std::atomic<int> rc{0};
   std::atomic<bool> broke{false};
-  const int64_t threads = f.threads > 1 ? f.threads : 1;
-  const double split = g_split.load(std::memory_order_relaxed);  // thread 0's, of two
   int64_t busy[2] = {0, 0};  // ns each of two threads spent in the products
   // Fwd::best / Fwd::stop: each row's argmax, from each thread's own columns of the head
   Picks pick(f.best || f.stop, threads, T - f.first > 0 ? T - f.first : 0);
@@ -746,7 +783,75 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
     };
     int64_t r0, r1;
     share(T, r0, r1);
-    for (int64_t l = 0; l < m.layers; ++l) {
+    // By rows only with the team the rows were cut for (the plan's tasks break at its cuts)
+    const bool by_rows = !starts.empty() && n == threads;
+    // By rows: this thread's tokens through every panel of each product, x quantized into
+    // its own buffer (its rows from 0), the others' keys after one barrier a layer.
+    auto layers_by_rows = [&] {
+      const auto t_in = std::chrono::steady_clock::now();
+      int64_t waited = 0;
+      const int64_t q0 = starts[tid], q1 = starts[tid + 1], nq = q1 - q0;
+      void* mq = cs_qgemm_i8_buffer(T, kmax);  // this thread's own (tid 0's is xq)
+      auto own = [&](const Mat* ms, int64_t count, float* y, int64_t ldy, const float* res) {
+        int64_t col = 0;
+        for (int64_t i = 0; i < count; ++i) {
+          const Mat& w = ms[i];
+          if (cs_qgemm_i8_panels(mq, w.kind, nq, w.k, static_cast<const uint8_t*>(w.p), w.n,
+                                 y + col, ldy, w.bias, res ? res + col : nullptr, ldy, 0,
+                                 (w.n + 15) / 16, isa))
+            rc.store(-1);
+          col += w.n;
+        }
+      };
+      const int64_t nt = ntask / KV;
+      std::vector<int64_t> mine;  // this thread's attention tasks (head i / nt, task i % nt)
+      for (int64_t i = 0; i < ntask; ++i)
+        if (plan.tasks[i % nt].t0 >= q0 && plan.tasks[i % nt].t0 < q1) mine.push_back(i);
+      for (int64_t l = 0; l < m.layers; ++l) {
+        const Layer& L = m.layer[l];
+        uint16_t* kc = f.kv + l * KV * f.s_max * (D + Dp);
+        uint16_t* vc = kc + KV * f.s_max * D;
+        rmsnorm(b.x.data() + q0 * H, nq, H, H, L.ln1, m.eps, b.a.data() + q0 * H, H);
+        cs_qgemm_i8_quantize(mq, b.a.data() + q0 * H, H, H, 0, nq, isa);
+        own(L.qkv, L.nqkv, b.qkv.data() + q0 * QW, QW, nullptr);
+        rope_store(m, f, b.qkv.data(), b.qs.data(), b.qh.data(), kc, vc, q0, q1);
+        const auto w0 = std::chrono::steady_clock::now();
+        bar.wait();  // every token's keys and values of this layer stored
+        waited += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - w0)
+                      .count();
+        const Attn A = plan.attn(m, f, kc, vc, b.qs.data(), b.qh.data(), b.o.data(), b.part.data());
+        Carry carry;
+        for (size_t k = 0; k < mine.size(); ++k) {
+          const int64_t i = mine[k], j = k + 1 < mine.size() ? mine[k + 1] : -1;
+          run_task(A, i / nt, plan.tasks[i % nt], &carry, j < 0 ? nullptr : &plan.tasks[j % nt],
+                   j < 0 ? 0 : j / nt);
+        }
+        if (carry.led) g_att_led.fetch_add(carry.led, std::memory_order_relaxed);
+        for (int64_t h = 0; h < KV; ++h)
+          for (int64_t t = q0; t < q1; ++t)
+            for (int64_t g = 0; g < G; ++g) merge_row(A, (h * T + t) * G + g);
+        cs_qgemm_i8_quantize(mq, b.o.data() + q0 * NH * D, NH * D, NH * D, 0, nq, isa);
+        own(&L.o, 1, b.x.data() + q0 * H, H, b.x.data() + q0 * H);
+        rmsnorm(b.x.data() + q0 * H, nq, H, H, L.ln2, m.eps, b.a.data() + q0 * H, H);
+        cs_qgemm_i8_quantize(mq, b.a.data() + q0 * H, H, H, 0, nq, isa);
+        own(L.gu, L.ngu, b.gu.data() + q0 * 2 * I, 2 * I, nullptr);
+        silu_mul(b.gu.data() + q0 * 2 * I, nq, I, b.act.data() + q0 * I);
+        cs_qgemm_i8_quantize(mq, b.act.data() + q0 * I, I, I, 0, nq, isa);
+        own(&L.down, 1, b.x.data() + q0 * H, H, b.x.data() + q0 * H);
+        tap(m, f, l + 1, b.x.data(), q0, q1);
+      }
+      ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now() - t_in)
+               .count() -
+           waited;
+      bar.wait();  // every row's last layer done (the head reads rows of both)
+    };
+    if (by_rows) {
+      if (tid == 0) g_row_forwards.fetch_add(1, std::memory_order_relaxed);
+      layers_by_rows();
+    }
+    for (int64_t l = 0; l < (by_rows ? 0 : m.layers); ++l) {
       const Layer& L = m.layer[l];
       uint16_t* kc = f.kv + l * KV * f.s_max * (D + Dp);
       uint16_t* vc = kc + KV * f.s_max * D;

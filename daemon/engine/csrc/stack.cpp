@@ -27,6 +27,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -142,6 +143,23 @@ void split_after(double f, int64_t t0, int64_t t1) {
   next = next < 0.25 ? 0.25 : next > 0.75 ? 0.75 : next;
   g_split.store(next, std::memory_order_relaxed);
 }
+
+// From how many tokens a forward's layers are shared out by rows instead of by panels
+// (forward_team): each thread runs its own tokens through every product (all panels, so
+// each reads the whole weights; the two read a layer's within microseconds of each other,
+// the second from L3) and meets the other once a layer, before attention (its tokens see
+// the other's keys), instead of ~11 times. With panels, every step's output was written by
+// both threads and read by both, so each row's data crossed between the cores at every
+// step; a 16-token forward at 1,300 cached (Zen 4) spent ~7% of its time at the barriers
+// and ~6% quantizing x into lines the other core had just read. One token (decode) has no
+// rows to share. CODESPEC_ROW_SPLIT=N (0: never) or cs_lean_row_split(N). Which thread
+// computes a row changes no number.
+std::atomic<int64_t> g_row_split{[] {
+  const char* e = std::getenv("CODESPEC_ROW_SPLIT");
+  return e ? static_cast<int64_t>(std::atoll(e)) : static_cast<int64_t>(8);
+}()};
+
+std::atomic<int64_t> g_row_forwards{0};  // forwards shared out so (cs_lean_row_forwards)
 
 // Lines of the cache to prefetch: a range of 64-byte lines, then a second one (a chunk's
 // K tiles, then its V rows; each contiguous in the cache).
@@ -497,7 +515,8 @@ struct Plan {
   }
 };
 
-bool make_plan(const Model& m, const Fwd& f, Plan& p) {
+// (cuts: tokens where the shared tasks' groups break, so that no task spans one)
+bool make_plan(const Model& m, const Fwd& f, Plan& p, const std::vector<int64_t>& cuts = {}) {
   const int64_t T = f.T;
   p.len.assign(T, 0);
   p.contig.assign(T, 1);
@@ -526,6 +545,11 @@ bool make_plan(const Model& m, const Fwd& f, Plan& p) {
     const int64_t c0 = c * CHUNK;
     int64_t t0 = -1, count = 0;
     for (int64_t t = 0; t < T; ++t) {
+      if (t0 >= 0 && std::find(cuts.begin(), cuts.end(), t) != cuts.end()) {
+        p.tasks.push_back(Task{c, t0, t, 0});
+        t0 = -1;
+        count = 0;
+      }
       const bool shared = p.len[t] > c0 && (p.contig[t] || c0 + CHUNK <= f.past);
       if (!shared) {
         if (p.len[t] > c0) p.tasks.push_back(Task{c, t, t + 1, 1});
@@ -628,18 +652,20 @@ void embed(const Model& m, const Fwd& f, float* x) {
   }
 }
 
-void tap(const Model& m, const Fwd& f, int64_t layer, const float* x) {
+void tap(const Model& m, const Fwd& f, int64_t layer, const float* x, int64_t t0 = 0,
+         int64_t t1 = -1) {
   const int64_t H = m.hidden;
   for (int64_t j = 0; j < f.ntaps; ++j) {
     if (f.taps[j] != layer) continue;
-    for (int64_t t = 0; t < f.T; ++t)
+    for (int64_t t = t0; t < (t1 < 0 ? f.T : t1); ++t)
       memcpy(f.hidden + (t * f.ntaps + j) * H, x + t * H, H * sizeof(float));
   }
 }
 
 // ---------------------------------------------------------------------------------------
 // One parallel region per forward (int8 block products): the threads meet at a Barrier
-// between the steps of a layer (~11 a layer) instead of OpenMP opening a region per product
+// between the steps of a layer (~11 a layer; once a layer when the forward is shared out
+// by rows, g_row_split) instead of OpenMP opening a region per product
 // (~8 a layer, each a wake-up of sleeping threads: ~10 us here, a quarter of a 256-token
 // decode step). A thread that arrives early spins for at most spin_ns (a partner a
 // microsecond behind costs nothing), then sleeps on a futex: on a busy machine a partner
@@ -1224,6 +1250,13 @@ int64_t cs_lean_att_gathered() { return g_att_gathered.load(); }
 // (see g_split); each returns the old value.
 double cs_lean_split(double f) { return g_split.exchange(f < 0.0 ? 0.0 : f > 1.0 ? 1.0 : f); }
 int cs_lean_split_adapt(int on) { return g_split_adapt.exchange(on ? 1 : 0); }
+
+// Set from how many tokens a forward's layers are shared out by rows (g_row_split; 0:
+// never, -1 leaves it); returns the old value.
+int64_t cs_lean_row_split(int64_t n) { return n < 0 ? g_row_split.load() : g_row_split.exchange(n); }
+
+// Forwards shared out by rows since the kernel was loaded (for tests).
+int64_t cs_lean_row_forwards() { return g_row_forwards.load(); }
 
 // Whether bf16 attention uses the CPU's own bf16 dot products (g_bf16_native): on 1 (where
 // the CPU has them) or 0; -1 leaves it. Returns the old value.
