@@ -685,7 +685,9 @@ int forward(const Model& m, const Fwd& f) {
 // share of the threads (thread 0's `split` of two), a token's work being its products'
 // multiply-adds (int8, at about twice the rate of attention's bf16 ones) plus attention's
 // for the keys it sees. Every thread gets at least one token.
-std::vector<int64_t> row_starts(const Model& m, const Fwd& f, int64_t threads, double split) {
+// share0: the work thread 0 gets, of the whole (its tokens' work, whole tokens).
+std::vector<int64_t> row_starts(const Model& m, const Fwd& f, int64_t threads, double split,
+                                double& share0) {
   const int64_t T = f.T, H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
   const double per_row =
       0.5 * static_cast<double>(H * (NH + 2 * KV) * D + NH * D * H + 3 * H * m.inter);
@@ -709,14 +711,15 @@ std::vector<int64_t> row_starts(const Model& m, const Fwd& f, int64_t threads, d
     if (t < T - (threads - i) && want - upto[t] > upto[t + 1] - want) ++t;
     starts[i] = t;
   }
+  share0 = upto[starts[1]] / upto[T];
   return starts;
 }
 
 // forward() with int8 block products (team_ok) in one parallel region: each step's work is
 // shared out by rows (norms, x's quantization, RoPE, SiLU), panels (products), attention
 // tasks (taken in turn) or merged rows, with bar.wait() between steps; from g_row_split
-// tokens on, each layer's whole work by tokens (layers_by_rows, cut by row_starts). The same numbers
-// as forward(): no result depends on which thread computes it.
+// tokens on, each layer's whole work by tokens (layers_by_rows, cut by row_starts). The
+// same numbers as forward(): no result depends on which thread computes it.
 int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   const int64_t T = f.T, H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
   const int64_t I = m.inter, QW = (NH + 2 * KV) * D, Dp = pad16(D), G = NH / KV;
@@ -728,7 +731,9 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   // Shared out by rows (g_row_split): thread i's tokens are [starts[i], starts[i + 1]).
   const int64_t row_min = g_row_split.load(std::memory_order_relaxed);
   std::vector<int64_t> starts;
-  if (threads > 1 && row_min > 0 && T >= row_min && T >= threads) starts = row_starts(m, f, threads, split);
+  double share0 = split;  // the share of the work thread 0 gets (of two)
+  if (threads > 1 && row_min > 0 && T >= row_min && T >= threads)
+    starts = row_starts(m, f, threads, split, share0);
   Plan plan;
   if (!make_plan(m, f, plan, starts)) return -2;
   b.part.resize(KV * T * G * plan.nchunk * (Dp + 2));
@@ -740,7 +745,8 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   std::atomic<int64_t> next{0}, done{0};
   std::atomic<int> rc{0};
   std::atomic<bool> broke{false};
-  int64_t busy[2] = {0, 0};  // ns each of two threads spent in the products
+  int64_t busy[2] = {0, 0};  // ns each of two threads spent in the products (by rows: working)
+  bool rows_used = false;     // whether the layers went by rows
   // Fwd::best / Fwd::stop: each row's argmax, from each thread's own columns of the head
   Picks pick(f.best || f.stop, threads, T - f.first > 0 ? T - f.first : 0);
 #pragma omp parallel num_threads(threads)
@@ -848,7 +854,10 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       bar.wait();  // every row's last layer done (the head reads rows of both)
     };
     if (by_rows) {
-      if (tid == 0) g_row_forwards.fetch_add(1, std::memory_order_relaxed);
+      if (tid == 0) {
+        g_row_forwards.fetch_add(1, std::memory_order_relaxed);
+        rows_used = true;
+      }
       layers_by_rows();
     }
     for (int64_t l = 0; l < (by_rows ? 0 : m.layers); ++l) {
@@ -932,7 +941,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
     }
     if (n == 2) busy[tid] = ns;
   }
-  if (threads == 2) split_after(split, busy[0], busy[1]);
+  if (threads == 2) split_after(rows_used ? share0 : split, busy[0], busy[1]);
   const int r = rc.load();
   if (r == 0 && f.best) {
     pick.merge(bar.n, 0, done.load());
