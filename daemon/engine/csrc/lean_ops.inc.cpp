@@ -768,16 +768,18 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
         share(np, p0, p1);
       }
     };
-    auto mats = [&](const Mat* ms, int64_t count, int64_t M, float* y, int64_t ldy,
-                    const float* res) {
+    // The products of M rows of x quantized in xs by ms side by side (their columns one
+    // after another in y): this thread's panels of each, or with whole every panel.
+    auto mats_of = [&](const void* xs, bool whole, const Mat* ms, int64_t count, int64_t M,
+                       float* y, int64_t ldy, const float* res) {
       const auto t0 = std::chrono::steady_clock::now();
       int64_t col = 0;
       for (int64_t i = 0; i < count; ++i) {
         const Mat& w = ms[i];
         const int64_t np = (w.n + 15) / 16;
-        int64_t p0, p1;
-        panels_of(np, p0, p1);
-        if (cs_qgemm_i8_panels(xq, w.kind, M, w.k, static_cast<const uint8_t*>(w.p), w.n,
+        int64_t p0 = 0, p1 = np;
+        if (!whole) panels_of(np, p0, p1);
+        if (cs_qgemm_i8_panels(xs, w.kind, M, w.k, static_cast<const uint8_t*>(w.p), w.n,
                                y + col, ldy, w.bias, res ? res + col : nullptr, ldy, p0, p1,
                                isa))
           rc.store(-1);
@@ -787,6 +789,8 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
                 std::chrono::steady_clock::now() - t0)
                 .count();
     };
+    auto mats = [&](const Mat* ms, int64_t count, int64_t M, float* y, int64_t ldy,
+                    const float* res) { mats_of(xq, false, ms, count, M, y, ldy, res); };
     int64_t r0, r1;
     share(T, r0, r1);
     // By rows only with the team the rows were cut for (the plan's tasks break at its cuts)
@@ -799,15 +803,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       const int64_t q0 = starts[tid], q1 = starts[tid + 1], nq = q1 - q0;
       void* mq = cs_qgemm_i8_buffer(T, kmax);  // this thread's own (tid 0's is xq)
       auto own = [&](const Mat* ms, int64_t count, float* y, int64_t ldy, const float* res) {
-        int64_t col = 0;
-        for (int64_t i = 0; i < count; ++i) {
-          const Mat& w = ms[i];
-          if (cs_qgemm_i8_panels(mq, w.kind, nq, w.k, static_cast<const uint8_t*>(w.p), w.n,
-                                 y + col, ldy, w.bias, res ? res + col : nullptr, ldy, 0,
-                                 (w.n + 15) / 16, isa))
-            rc.store(-1);
-          col += w.n;
-        }
+        mats_of(mq, true, ms, count, nq, y, ldy, res);
       };
       const int64_t nt = ntask / KV;
       std::vector<int64_t> mine;  // this thread's attention tasks (head i / nt, task i % nt)
