@@ -445,7 +445,8 @@ def test_sharing_out_by_rows_changes_no_number(model_file: Path) -> None:
     (each through every product, its own attention tasks, one barrier a layer) instead of
     each product's panels: the same logits, taps (hidden states) and greedy stops bit for
     bit as by panels and as one thread, for a prefill, chains, a tree whose branches fall
-    on both sides of the cut and any cut the thread shares give (0.25 / 0.75 of two)."""
+    on both sides of the cut and any cut the thread shares give (0.25 / 0.75 of two), and
+    on three threads (two cuts)."""
     if not quant_gemm.i8_available():
         pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
@@ -492,6 +493,10 @@ def test_sharing_out_by_rows_changes_no_number(model_file: Path) -> None:
                 assert torch.equal(a, b), f"by rows from {rows_from} tokens, split {f}"
             assert lib.cs_lean_row_forwards() - by_rows == shared  # those of rows_from tokens
             by_rows = lib.cs_lean_row_forwards()
+        for a, b in zip(run(3), ref, strict=True):  # three threads: two cuts
+            assert torch.equal(a, b), "by rows on three threads"
+        assert lib.cs_lean_row_forwards() - by_rows == 4
+        by_rows = lib.cs_lean_row_forwards()
         run(1)
         assert lib.cs_lean_row_forwards() == by_rows  # one thread: nothing to share
     finally:
