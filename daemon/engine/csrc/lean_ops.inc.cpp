@@ -684,23 +684,18 @@ int forward(const Model& m, const Fwd& f) {
 // (g_row_split), and T at the end: cut so that each thread's share of the work is its
 // share of the threads (thread 0's `split` of two), a token's work being its products'
 // multiply-adds (int8, at about twice the rate of attention's bf16 ones) plus attention's
-// for the keys it sees. Every thread gets at least one token.
+// for the keys it sees (the plan's key lists). Every thread gets at least one token.
 // share0: the work thread 0 gets, of the whole (its tokens' work, whole tokens).
-std::vector<int64_t> row_starts(const Model& m, const Fwd& f, int64_t threads, double split,
+std::vector<int64_t> row_starts(const Model& m, const Plan& plan, int64_t threads, double split,
                                 double& share0) {
-  const int64_t T = f.T, H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
+  const int64_t T = static_cast<int64_t>(plan.len.size());
+  const int64_t H = m.hidden, D = m.head_dim, NH = m.heads, KV = m.kv_heads;
   const double per_row =
       0.5 * static_cast<double>(H * (NH + 2 * KV) * D + NH * D * H + 3 * H * m.inter);
   const double per_key = 2.0 * static_cast<double>(NH * D);
   std::vector<double> upto(T + 1, 0.0);  // work of tokens [0, t)
-  for (int64_t t = 0; t < T; ++t) {
-    int64_t keys = f.past + t + 1;
-    if (f.anc) {
-      keys = f.past;
-      for (int64_t j = 0; j <= t; ++j) keys += f.anc[t * T + j] != 0;
-    }
-    upto[t + 1] = upto[t] + per_row + per_key * static_cast<double>(keys);
-  }
+  for (int64_t t = 0; t < T; ++t)
+    upto[t + 1] = upto[t] + per_row + per_key * static_cast<double>(plan.len[t]);
   std::vector<int64_t> starts(threads + 1, 0);
   starts[threads] = T;
   for (int64_t i = 1; i < threads; ++i) {
@@ -730,12 +725,14 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   const double split = g_split.load(std::memory_order_relaxed);  // thread 0's, of two
   // Shared out by rows (g_row_split): thread i's tokens are [starts[i], starts[i + 1]).
   const int64_t row_min = g_row_split.load(std::memory_order_relaxed);
+  Plan plan;
+  if (!make_plan(m, f, plan)) return -2;
   std::vector<int64_t> starts;
   double share0 = split;  // the share of the work thread 0 gets (of two)
-  if (threads > 1 && row_min > 0 && T >= row_min && T >= threads)
-    starts = row_starts(m, f, threads, split, share0);
-  Plan plan;
-  if (!make_plan(m, f, plan, starts)) return -2;
+  if (threads > 1 && row_min > 0 && T >= row_min && T >= threads) {
+    starts = row_starts(m, plan, threads, split, share0);
+    plan_tasks(f, plan, starts);  // no task spans two threads' tokens
+  }
   b.part.resize(KV * T * G * plan.nchunk * (Dp + 2));
   const int64_t kmax = H > I ? (H > NH * D ? H : NH * D) : (I > NH * D ? I : NH * D);
   void* xq = cs_qgemm_i8_buffer(T, kmax);
@@ -746,7 +743,6 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   std::atomic<int> rc{0};
   std::atomic<bool> broke{false};
   int64_t busy[2] = {0, 0};  // ns each of two threads spent in the products (by rows: working)
-  bool rows_used = false;     // whether the layers went by rows
   // Fwd::best / Fwd::stop: each row's argmax, from each thread's own columns of the head
   Picks pick(f.best || f.stop, threads, T - f.first > 0 ? T - f.first : 0);
 #pragma omp parallel num_threads(threads)
@@ -850,10 +846,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       bar.wait();  // every row's last layer done (the head reads rows of both)
     };
     if (by_rows) {
-      if (tid == 0) {
-        g_row_forwards.fetch_add(1, std::memory_order_relaxed);
-        rows_used = true;
-      }
+      if (tid == 0) g_row_forwards.fetch_add(1, std::memory_order_relaxed);
       layers_by_rows();
     }
     for (int64_t l = 0; l < (by_rows ? 0 : m.layers); ++l) {
@@ -937,6 +930,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
     }
     if (n == 2) busy[tid] = ns;
   }
+  const bool rows_used = !starts.empty() && bar.n == threads;  // as by_rows in the region
   if (threads == 2) split_after(rows_used ? share0 : split, busy[0], busy[1]);
   const int r = rc.load();
   if (r == 0 && f.best) {

@@ -515,31 +515,11 @@ struct Plan {
   }
 };
 
-// (cuts: tokens where the shared tasks' groups break, so that no task spans one)
-bool make_plan(const Model& m, const Fwd& f, Plan& p, const std::vector<int64_t>& cuts = {}) {
+// The attention tasks of a plan whose key lists are made (make_plan): per chunk, up to
+// TOKENS tokens that share it whole, or one tree token's own; `cuts`: tokens where the
+// shared groups break, so that no task spans one (a forward shared out by rows).
+void plan_tasks(const Fwd& f, Plan& p, const std::vector<int64_t>& cuts = {}) {
   const int64_t T = f.T;
-  p.len.assign(T, 0);
-  p.contig.assign(T, 1);
-  p.vis_off.assign(T + 1, 0);
-  p.vis.clear();
-  int64_t most = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    if (f.pos[t] < 0 || f.pos[t] >= m.rope_len) return false;
-    for (int64_t j = 0; j < T; ++j) {
-      const bool seen = f.anc ? f.anc[t * T + j] != 0 : j <= t;
-      if (!seen) continue;
-      if (j > t) return false;  // a token sees only itself and earlier ones
-      if (j != static_cast<int64_t>(p.vis.size()) - p.vis_off[t]) p.contig[t] = 0;
-      p.vis.push_back(j);
-    }
-    p.vis_off[t + 1] = static_cast<int64_t>(p.vis.size());
-    const int64_t n = p.vis_off[t + 1] - p.vis_off[t];
-    if (n == 0 || p.vis.back() != t) return false;
-    p.len[t] = f.past + n;
-    most = p.len[t] > most ? p.len[t] : most;
-  }
-  p.nchunk = (most + CHUNK - 1) / CHUNK;
-  p.native = g_bf16_native.load(std::memory_order_relaxed);
   p.tasks.clear();
   for (int64_t c = 0; c < p.nchunk; ++c) {
     const int64_t c0 = c * CHUNK;
@@ -564,6 +544,33 @@ bool make_plan(const Model& m, const Fwd& f, Plan& p, const std::vector<int64_t>
     }
     if (t0 >= 0) p.tasks.push_back(Task{c, t0, T, 0});
   }
+}
+
+bool make_plan(const Model& m, const Fwd& f, Plan& p) {
+  const int64_t T = f.T;
+  p.len.assign(T, 0);
+  p.contig.assign(T, 1);
+  p.vis_off.assign(T + 1, 0);
+  p.vis.clear();
+  int64_t most = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (f.pos[t] < 0 || f.pos[t] >= m.rope_len) return false;
+    for (int64_t j = 0; j < T; ++j) {
+      const bool seen = f.anc ? f.anc[t * T + j] != 0 : j <= t;
+      if (!seen) continue;
+      if (j > t) return false;  // a token sees only itself and earlier ones
+      if (j != static_cast<int64_t>(p.vis.size()) - p.vis_off[t]) p.contig[t] = 0;
+      p.vis.push_back(j);
+    }
+    p.vis_off[t + 1] = static_cast<int64_t>(p.vis.size());
+    const int64_t n = p.vis_off[t + 1] - p.vis_off[t];
+    if (n == 0 || p.vis.back() != t) return false;
+    p.len[t] = f.past + n;
+    most = p.len[t] > most ? p.len[t] : most;
+  }
+  p.nchunk = (most + CHUNK - 1) / CHUNK;
+  p.native = g_bf16_native.load(std::memory_order_relaxed);
+  plan_tasks(f, p);
   return true;
 }
 
