@@ -505,6 +505,41 @@ def test_sharing_out_by_rows_changes_no_number(model_file: Path) -> None:
         lib.cs_lean_split(split)
 
 
+def test_forwards_by_rows_keep_a_share_of_their_own(model_file: Path) -> None:
+    """Two threads' cut of a forward shared out by rows adapts from such forwards only: a
+    decode step (by panels) moves the panels' fraction and leaves the rows' one as it was
+    (a step's product balance used to move the next verification's cut), and a forward by
+    rows moves the rows' one and leaves the panels'."""
+    if not quant_gemm.i8_available():
+        pytest.skip("no int8 product path on this CPU")
+    lib = quant_gemm.library()
+    assert lib is not None
+    runner = LeanRunner.from_gguf(model_file, max_length=96, int8=True)
+    v = runner.vocab_size
+    rows_from, adapt = lib.cs_lean_row_split(8), lib.cs_lean_split_adapt(1)
+    split, share = lib.cs_lean_split(0.5), lib.cs_lean_row_share(-1)
+    torch.set_num_threads(2)
+    try:
+        runner.reset()
+        runner.forward(_ids(4, 8, v))  # 4 tokens: by panels
+        for step in range(3):
+            runner.forward([step + 3])
+        assert lib.cs_lean_row_share(-1) == 0.5
+        assert lib.cs_lean_split(0.5) != 0.5
+        by_rows = lib.cs_lean_row_forwards()
+        runner.forward(_ids(16, 9, v))
+        assert lib.cs_lean_row_forwards() == by_rows + 1
+        moved = lib.cs_lean_row_share(-1)
+        assert 0.25 <= moved <= 0.75 and moved != 0.5
+        assert lib.cs_lean_split(0.5) == 0.5  # (it sets both fractions: read the rows' first)
+    finally:
+        torch.set_num_threads(1)
+        lib.cs_lean_row_split(rows_from)
+        lib.cs_lean_split_adapt(adapt)
+        lib.cs_lean_split(split)
+        lib.cs_lean_row_share(share)
+
+
 def test_int8_products_keep_rows_equal(tmp_path: Path) -> None:
     """int8=True (x rounded to int8 for the block products, llama.cpp's way): its verify
     rows still equal its decode rows bit for bit, and its logits stay near the exact ones."""

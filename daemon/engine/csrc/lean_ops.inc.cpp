@@ -775,14 +775,16 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   embed(m, f, b.x.data());
   tap(m, f, 0, b.x.data());
   const int64_t threads = f.threads > 1 ? f.threads : 1;
-  const double split = g_split.load(std::memory_order_relaxed);  // thread 0's, of two
   // Shared out by rows (g_row_split): thread i's tokens are [starts[i], starts[i + 1]).
   const int64_t row_min = g_row_split.load(std::memory_order_relaxed);
+  const bool rows_planned = threads > 1 && row_min > 0 && T >= row_min && T >= threads;
+  std::atomic<double>& split_of = rows_planned ? g_split_rows : g_split;
+  const double split = split_of.load(std::memory_order_relaxed);  // thread 0's, of two
   Plan plan;
   if (!make_plan(m, f, plan)) return -2;
   std::vector<int64_t> starts;
   double share0 = split;  // the share of the work thread 0 gets (of two)
-  if (threads > 1 && row_min > 0 && T >= row_min && T >= threads) {
+  if (rows_planned) {
     starts = row_starts(m, plan, threads, split, share0);
     plan_tasks(f, plan, starts);  // no task spans two threads' tokens
   }
@@ -809,7 +811,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
     };
     int64_t ns = 0;
     auto panels_of = [&](int64_t np, int64_t& p0, int64_t& p1) {  // this thread's, in order
-      if (n == 2) {  // g_split's shares
+      if (n == 2) {  // split's shares (by rows: the LM head's)
         const int64_t cut = static_cast<int64_t>(static_cast<double>(np) * split + 0.5);
         p0 = tid == 0 ? 0 : cut;
         p1 = tid == 0 ? cut : np;
@@ -984,7 +986,8 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
     if (n == 2) busy[tid] = ns;
   }
   const bool rows_used = !starts.empty() && bar.n == threads;  // as by_rows in the region
-  if (threads == 2) split_after(rows_used ? share0 : split, busy[0], busy[1]);
+  if (threads == 2 && rows_used == rows_planned)
+    split_after(split_of, rows_used ? share0 : split, busy[0], busy[1]);
   const int r = rc.load();
   if (r == 0 && f.best) {
     pick.merge(bar.n, 0, done.load());

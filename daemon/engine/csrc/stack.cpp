@@ -128,20 +128,25 @@ std::atomic<int32_t> g_bf16_native{[] {
 // fraction moves halfway to the one that would have balanced the time each thread spent
 // in the products (clamped to 0.25-0.75). Which thread computes a panel changes no number.
 // CODESPEC_SPLIT_ADAPT=0 or cs_lean_split_adapt(0): halves (for comparisons).
+// Forwards shared out by rows (g_row_split) cut their tokens by a fraction of their own,
+// g_split_rows, moved only by such forwards: with one fraction for both, each decode
+// step's product balance moved the next verification's cut (16 tokens after 4,000 cached,
+// decode steps between them: thread 0 got 9 tokens after a step that left 0.54).
 std::atomic<double> g_split{0.5};
+std::atomic<double> g_split_rows{0.5};
 std::atomic<int> g_split_adapt{[] {
   const char* e = std::getenv("CODESPEC_SPLIT_ADAPT");
   return e && e[0] == '0' ? 0 : 1;
 }()};
 
-// The fraction for the next forward from this one's: thread 0 did f of the panels in t0
-// ns, thread 1 the rest in t1.
-void split_after(double f, int64_t t0, int64_t t1) {
+// The fraction `split` holds for the next forward from this one's: thread 0 did f of the
+// work in t0 ns, thread 1 the rest in t1.
+void split_after(std::atomic<double>& split, double f, int64_t t0, int64_t t1) {
   if (!g_split_adapt.load(std::memory_order_relaxed) || t0 <= 0 || t1 <= 0) return;
   const double v0 = f / static_cast<double>(t0), v1 = (1.0 - f) / static_cast<double>(t1);
   double next = f + 0.5 * (v0 / (v0 + v1) - f);
   next = next < 0.25 ? 0.25 : next > 0.75 ? 0.75 : next;
-  g_split.store(next, std::memory_order_relaxed);
+  split.store(next, std::memory_order_relaxed);
 }
 
 // From how many tokens a forward's layers are shared out by rows instead of by panels
@@ -1253,10 +1258,20 @@ int64_t cs_lean_att_led() { return g_att_led.load(); }
 // loaded (for tests).
 int64_t cs_lean_att_gathered() { return g_att_gathered.load(); }
 
-// Set thread 0's fraction of the products' panels (two threads) and whether it adapts
-// (see g_split); each returns the old value.
-double cs_lean_split(double f) { return g_split.exchange(f < 0.0 ? 0.0 : f > 1.0 ? 1.0 : f); }
+// Set thread 0's fraction of the products' panels and of the tokens shared out by rows
+// (two threads), and whether they adapt (see g_split); each returns the old value (the
+// panels' fraction).
+double cs_lean_split(double f) {
+  const double v = f < 0.0 ? 0.0 : f > 1.0 ? 1.0 : f;
+  g_split_rows.store(v);
+  return g_split.exchange(v);
+}
 int cs_lean_split_adapt(int on) { return g_split_adapt.exchange(on ? 1 : 0); }
+// Thread 0's fraction of the tokens of a forward shared out by rows (g_split_rows): set
+// to f (f < 0 leaves it); returns the old value.
+double cs_lean_row_share(double f) {
+  return f < 0.0 ? g_split_rows.load() : g_split_rows.exchange(f > 1.0 ? 1.0 : f);
+}
 
 // Set from how many tokens a forward's layers are shared out by rows (g_row_split; 0:
 // never, -1 leaves it); returns the old value.
