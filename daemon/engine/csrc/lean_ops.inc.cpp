@@ -14,38 +14,37 @@
 // position (what lossless speculation needs: verify rows equal decode rows).
 // No include guard: included once per ISA namespace.
 
-inline V vexp(V x) {  // exp(x), Cephes' 2^f polynomial (relative error ~2e-7)
-  x = vmin(vmax(x, vset(-87.0f)), vset(88.0f));
+// 2^n p(f) for t = x log2(e) = n + f, n = rint(t): p a polynomial for 2^f on [-1/2, 1/2]
+// with coefficients c (highest degree first). x must be >= -87 (n >= -126: vldexp's 2^n is
+// a normal float on every ISA).
+template <int N>
+inline V vexp_poly(V x, const float (&c)[N]) {
   const V t = vmul(x, vset(1.44269504088896341f));
   const V n = vrint(t);
   const V f = vsub(t, n);
-  V p = vset(1.535336188319500e-4f);
-  p = vfma(p, f, vset(1.339887440266574e-3f));
-  p = vfma(p, f, vset(9.618437357674640e-3f));
-  p = vfma(p, f, vset(5.550332471162809e-2f));
-  p = vfma(p, f, vset(2.402264791363012e-1f));
-  p = vfma(p, f, vset(6.931472028550421e-1f));
-  p = vfma(p, f, vset(1.0f));
+  V p = vset(c[0]);
+  for (int i = 1; i < N; ++i) p = vfma(p, f, vset(c[i]));
   return vldexp(p, n);
+}
+
+inline V vexp(V x) {  // exp(x), Cephes' 2^f polynomial (relative error ~2e-7)
+  static constexpr float c[] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                                9.618437357674640e-3f, 5.550332471162809e-2f,
+                                2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+  return vexp_poly(vmin(vmax(x, vset(-87.0f)), vset(88.0f)), c);
 }
 
 // exp(x) for bf16 attention's softmax weights, x <= 0 (a score less its chunk's max)
 // where the result counts (lanes past a row's keys may hold anything: their weights are
 // set to 0 after). The weights are rounded to bf16 (a relative step of 2^-8), so a
-// degree-4 polynomial for 2^f on [-1/2, 1/2] (fitted here, relative error under 8e-6,
-// against vexp's 2e-7) and no upper clamp: two fewer FMAs and a min than vexp, per 16
-// keys and row, on the ports the dot products need.
+// degree-4 polynomial for 2^f (fitted here, relative error under 8e-6, against vexp's
+// 2e-7) and no upper clamp: two fewer FMAs and a min than vexp, per 16 keys and row, on
+// the ports the dot products need.
 inline V vexp_w(V x) {
-  x = vmax(x, vset(-87.0f));
-  const V t = vmul(x, vset(1.44269504088896341f));
-  const V n = vrint(t);
-  const V f = vsub(t, n);
-  V p = vset(9.266121312975883e-3f);
-  p = vfma(p, f, vset(5.586051195859909e-2f));
-  p = vfma(p, f, vset(2.403108775615692e-1f));
-  p = vfma(p, f, vset(6.931300759315491e-1f));
-  p = vfma(p, f, vset(9.999977946281433e-1f));
-  return vldexp(p, n);
+  static constexpr float c[] = {9.266121312975883e-3f, 5.586051195859909e-2f,
+                                2.403108775615692e-1f, 6.931300759315491e-1f,
+                                9.999977946281433e-1f};
+  return vexp_poly(vmax(x, vset(-87.0f)), c);
 }
 
 // y = x / sqrt(mean(x^2) + eps) * w, row by row.
