@@ -643,8 +643,8 @@ void bf16_probe(bool native, const float* x, int64_t n, uint16_t* xb, const uint
 
 // Attention row `row` = (h, t, g) (KV head, token, query head of the group): its chunks
 // merged in order into its place in A.out, out = sum_c o_c e_c / sum_c l_c e_c with
-// e_c = exp(m_c - max m). 16 chunks' e_c come from one vexp, and each o_c e_c is added 16 dims at a time (the same product and sum per
-// dim as one at a time).
+// e_c = exp(m_c - max m). 16 chunks' e_c come from one vexp, and each o_c e_c is added
+// 16 dims at a time (the same product and sum per dim as one at a time).
 void merge_row(const Attn& A, int64_t row) {
   const int64_t h = row / (A.T * A.G), t = (row / A.G) % A.T, g = row % A.G, Dp = A.Dp;
   float* out = A.out + t * A.NH * A.D + (h * A.G + g) * A.D;
