@@ -797,6 +797,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   std::atomic<int> rc{0};
   std::atomic<bool> broke{false};
   int64_t busy[2] = {0, 0};  // ns each of two threads spent in the products (by rows: working)
+  Progress progress(threads);  // by rows: the layers each thread has stored keys for
   // Fwd::best / Fwd::stop: each row's argmax, from each thread's own columns of the head
   Picks pick(f.best || f.stop, threads, T - f.first > 0 ? T - f.first : 0);
 #pragma omp parallel num_threads(threads)
@@ -868,7 +869,8 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
         own(L.qkv, L.nqkv, b.qkv.data() + q0 * QW, QW, nullptr);
         rope_store(m, f, b.qkv.data(), b.qs.data(), b.qh.data(), kc, vc, q0, q1);
         const auto w0 = std::chrono::steady_clock::now();
-        bar.wait();  // every token's keys and values of this layer stored
+        progress.publish(tid, static_cast<int>(l + 1));
+        progress.await(tid, static_cast<int>(l + 1), bar);  // earlier tokens' keys stored
         waited += std::chrono::duration_cast<std::chrono::nanoseconds>(
                       std::chrono::steady_clock::now() - w0)
                       .count();

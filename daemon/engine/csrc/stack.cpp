@@ -152,8 +152,9 @@ void split_after(std::atomic<double>& split, double f, int64_t t0, int64_t t1) {
 // From how many tokens a forward's layers are shared out by rows instead of by panels
 // (forward_team): each thread runs its own tokens through every product (all panels, so
 // each reads the whole weights; the two read a layer's within microseconds of each other,
-// the second from L3) and meets the other once a layer, before attention (its tokens see
-// the other's keys), instead of ~11 times. With panels, every step's output was written by
+// the second from L3) and, before each layer's attention, waits for the threads before it
+// to have stored that layer's keys (Progress: its tokens see theirs), instead of meeting
+// the other ~11 times a layer. With panels, every step's output was written by
 // both threads and read by both, so each row's data crossed between the cores at every
 // step; a 16-token forward at 1,300 cached (Zen 4) spent ~7% of its time at the barriers
 // and ~6% quantizing x into lines the other core had just read. One token (decode) has no
@@ -676,8 +677,8 @@ void tap(const Model& m, const Fwd& f, int64_t layer, const float* x, int64_t t0
 
 // ---------------------------------------------------------------------------------------
 // One parallel region per forward (int8 block products): the threads meet at a Barrier
-// between the steps of a layer (~11 a layer; once a layer when the forward is shared out
-// by rows, g_row_split) instead of OpenMP opening a region per product
+// between the steps of a layer (~11 a layer; once a forward when it is shared out by rows,
+// g_row_split, whose layers wait only for earlier tokens' keys: Progress) instead of OpenMP opening a region per product
 // (~8 a layer, each a wake-up of sleeping threads: ~10 us here, a quarter of a 256-token
 // decode step). A thread that arrives early spins for at most spin_ns (a partner a
 // microsecond behind costs nothing), then sleeps on a futex: on a busy machine a partner
@@ -739,6 +740,51 @@ struct Barrier {
     sleepers.fetch_add(1, std::memory_order_seq_cst);
     while (gen.load(std::memory_order_seq_cst) == g) sleep_on(&gen, g);
     sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+};
+
+// How many layers each thread of a forward shared out by tokens has stored its keys and
+// values for. A token sees only itself and earlier tokens (make_plan), and each thread's
+// tokens follow those of the threads before it, so before a layer's attention a thread
+// needs the layer's keys of the threads before it only: it waits for those (thread 0 for
+// none), where a barrier held every thread until the slowest had stored, at every layer.
+// Its waits spin for the barrier's spin_ns, then sleep; they count in its waits / slept.
+struct Progress {
+  struct alignas(64) Slot {
+    std::atomic<int> layers{0};
+    std::atomic<int> sleepers{0};
+  };
+  std::vector<Slot> slot;
+  explicit Progress(int64_t threads) : slot(static_cast<size_t>(threads)) {}
+
+  void publish(int64_t tid, int layers) {
+    Slot& s = slot[static_cast<size_t>(tid)];
+    s.layers.store(layers, std::memory_order_seq_cst);
+    if (s.sleepers.load(std::memory_order_seq_cst) > 0) Barrier::wake_all(&s.layers);
+  }
+
+  // Until every thread before tid has published `layers`.
+  void await(int64_t tid, int layers, Barrier& bar) {
+    for (int64_t j = 0; j < tid; ++j) {
+      Slot& s = slot[static_cast<size_t>(j)];
+      if (s.layers.load(std::memory_order_acquire) >= layers) continue;
+      bar.waits.fetch_add(1, std::memory_order_relaxed);
+      bool ready = false;
+      if (bar.spin_ns > 0) {
+        const auto until =
+            std::chrono::steady_clock::now() + std::chrono::nanoseconds(bar.spin_ns);
+        for (int i = 1; !(ready = s.layers.load(std::memory_order_acquire) >= layers); ++i) {
+          cpu_relax();
+          if ((i & 31) == 0 && std::chrono::steady_clock::now() > until) break;
+        }
+      }
+      if (ready) continue;
+      bar.slept.fetch_add(1, std::memory_order_relaxed);
+      s.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      for (int v; (v = s.layers.load(std::memory_order_seq_cst)) < layers;)
+        Barrier::sleep_on(&s.layers, v);
+      s.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
   }
 };
 
