@@ -540,6 +540,36 @@ def test_forwards_by_rows_keep_a_share_of_their_own(model_file: Path) -> None:
         lib.cs_lean_row_share(share)
 
 
+def test_forwards_by_rows_do_not_meet_at_every_layer(tmp_path: Path) -> None:
+    """Shared out by tokens, a forward's threads do not all meet before each layer's
+    attention (each waits only for the keys of the threads before it): its barrier rounds
+    do not grow with the layers, where by panels they grow by several a layer."""
+    if not quant_gemm.i8_available():
+        pytest.skip("no int8 product path on this CPU")
+    lib = quant_gemm.library()
+    assert lib is not None
+    rounds: dict[tuple[int, int], int] = {}
+    rows_from = lib.cs_lean_row_split(8)
+    torch.set_num_threads(2)
+    try:
+        for layers in (2, 6):
+            shape = {**SHAPE, "layers": layers}
+            path = write_gguf(tmp_path / f"l{layers}.gguf", qtype="Q4_1", **shape)
+            runner = LeanRunner.from_gguf(path, max_length=64, int8=True)
+            for split in (8, 0):  # by tokens from 8, never
+                lib.cs_lean_row_split(split)
+                runner.reset()
+                runner.forward(_ids(20, 3, runner.vocab_size))
+                before = lib.cs_lean_barrier_rounds()
+                runner.forward(_ids(16, 4, runner.vocab_size))
+                rounds[(layers, split)] = lib.cs_lean_barrier_rounds() - before
+    finally:
+        torch.set_num_threads(1)
+        lib.cs_lean_row_split(rows_from)
+    assert rounds[(6, 0)] - rounds[(2, 0)] >= 4 * 4  # by panels: several a layer
+    assert rounds[(6, 8)] == rounds[(2, 8)]  # by tokens: none a layer
+
+
 def test_int8_products_keep_rows_equal(tmp_path: Path) -> None:
     """int8=True (x rounded to int8 for the block products, llama.cpp's way): its verify
     rows still equal its decode rows bit for bit, and its logits stay near the exact ones."""

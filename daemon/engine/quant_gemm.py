@@ -86,6 +86,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("cs_lean_att_lead", i32, [i32]),
         ("cs_lean_att_led", i64, []),
         ("cs_lean_att_gathered", i64, []),
+        ("cs_lean_barrier_rounds", i64, []),
         ("cs_lean_split", ctypes.c_double, [ctypes.c_double]),
         ("cs_lean_row_share", ctypes.c_double, [ctypes.c_double]),
         ("cs_lean_split_adapt", i32, [i32]),

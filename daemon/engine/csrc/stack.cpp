@@ -692,6 +692,10 @@ inline void cpu_relax() {
 #endif
 }
 
+// Rounds of every Barrier since the kernel was loaded (for tests: how often a forward's
+// threads all met).
+std::atomic<int64_t> g_barrier_rounds{0};
+
 struct Barrier {
   alignas(64) std::atomic<int> count{0};
   alignas(64) std::atomic<int> gen{0};
@@ -722,6 +726,7 @@ struct Barrier {
     if (n <= 1) return;
     const int g = gen.load(std::memory_order_acquire);
     if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      g_barrier_rounds.fetch_add(1, std::memory_order_relaxed);
       count.store(0, std::memory_order_relaxed);
       gen.store(g + 1, std::memory_order_seq_cst);
       if (sleepers.load(std::memory_order_seq_cst) > 0) wake_all(&gen);
@@ -1303,6 +1308,9 @@ int64_t cs_lean_att_led() { return g_att_led.load(); }
 // Keys tree tokens' attention tasks have gathered into K tiles, since the kernel was
 // loaded (for tests).
 int64_t cs_lean_att_gathered() { return g_att_gathered.load(); }
+
+// Rounds of the stack's barriers since the kernel was loaded (for tests).
+int64_t cs_lean_barrier_rounds() { return g_barrier_rounds.load(); }
 
 // Set thread 0's fraction of the products' panels and of the tokens shared out by rows
 // (two threads), and whether they adapt (see g_split); each returns the old value (the
