@@ -1436,6 +1436,14 @@ inline I dpbusd(I acc, I u, I s) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
   return acc;
 }
+// The same with s the 4 bytes at p in every lane, broadcast by the instruction's own
+// memory operand ({1to16}) instead of a vpbroadcastd of its own.
+inline I dpbusd_at(I acc, I u, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
 
 // The 4-bit types whose group is one vpandd: a group's 32 bytes hold columns 0-7 in their
 // low nibbles and 8-15 in their high ones (lanes 8-15 of the broadcast); masking with 0xf0
@@ -1613,8 +1621,8 @@ void direct(const ArgsI8& ai, int64_t m, int64_t p, Trickle* tr = nullptr) {
         I z[NP];
         for (int q = 0; q < NP; ++q) z[q] = group_i8<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
         for (int r = 0; r < MR; ++r) {
-          const I xv = _mm512_set1_epi32(rd32(xq.q.data() + (m + r) * a.K + k0 + 4 * g));
-          for (int q = 0; q < NP; ++q) dot[r][q] = dpbusd(dot[r][q], z[q], xv);
+          const int8_t* xp = xq.q.data() + (m + r) * a.K + k0 + 4 * g;
+          for (int q = 0; q < NP; ++q) dot[r][q] = dpbusd_at(dot[r][q], z[q], xp);
         }
       }
       for (int r = 0; r < MR; ++r) {

@@ -1258,10 +1258,11 @@ struct BfNative {
   using KP = __m512bh;
   static inline KP ld(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   // acc + the 16 lanes' pairs times the pair at b (bits of two bf16)
-  static inline V dot(V acc, KP k, const uint16_t* b) {
-    uint32_t w;
-    memcpy(&w, b, 4);
-    return _mm512_dpbf16_ps(acc, k, (__m512bh)_mm512_set1_epi32(static_cast<int>(w)));
+  static inline V dot(V acc, KP k, const uint16_t* b) {  // (b's pair broadcast by the
+    asm("vdpbf16ps %2%{1to16%}, %1, %0"              // instruction's memory operand)
+        : "+v"(acc)
+        : "v"(k), "m"(*reinterpret_cast<const uint32_t*>(b)));
+    return acc;
   }
   static inline V round(V a, uint16_t* dst) {
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(a);
