@@ -847,7 +847,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
     // By rows only with the team the rows were cut for (the plan's tasks break at its cuts)
     const bool by_rows = !starts.empty() && n == threads;
     // By rows: this thread's tokens through every panel of each product, x quantized into
-    // its own buffer (its rows from 0), the others' keys after one barrier a layer.
+    // its own buffer (its rows from 0), the earlier threads' keys awaited a layer (Progress).
     auto layers_by_rows = [&] {
       const auto t_in = std::chrono::steady_clock::now();
       int64_t waited = 0;

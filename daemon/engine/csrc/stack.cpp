@@ -678,13 +678,13 @@ void tap(const Model& m, const Fwd& f, int64_t layer, const float* x, int64_t t0
 // ---------------------------------------------------------------------------------------
 // One parallel region per forward (int8 block products): the threads meet at a Barrier
 // between the steps of a layer (~11 a layer; once a forward when it is shared out by rows,
-// g_row_split, whose layers wait only for earlier tokens' keys: Progress) instead of OpenMP opening a region per product
-// (~8 a layer, each a wake-up of sleeping threads: ~10 us here, a quarter of a 256-token
-// decode step). A thread that arrives early spins for at most spin_ns (a partner a
-// microsecond behind costs nothing), then sleeps on a futex: on a busy machine a partner
-// can be descheduled for milliseconds, and spinning through that takes a core from the
-// threads that are behind (OpenMP's own spinning made a decode step 4-7x slower there).
-// Whether to spin at all follows the machine (SpinPolicy).
+// g_row_split, whose layers wait only for earlier tokens' keys: Progress) instead of
+// OpenMP opening a region per product (~8 a layer, each a wake-up of sleeping threads:
+// ~10 us here, a quarter of a 256-token decode step). A thread that arrives early spins
+// for at most spin_ns (a partner a microsecond behind costs nothing), then sleeps on a
+// futex: on a busy machine a partner can be descheduled for milliseconds, and spinning
+// through that takes a core from the threads that are behind (OpenMP's own spinning made
+// a decode step 4-7x slower there). Whether to spin at all follows the machine (SpinPolicy).
 
 inline void cpu_relax() {
 #ifdef LS_X86
@@ -732,19 +732,27 @@ struct Barrier {
       if (sleepers.load(std::memory_order_seq_cst) > 0) wake_all(&gen);
       return;
     }
+    hold(gen, sleepers, [g](int v) { return v != g; });
+  }
+
+  // One wait (counted in waits) until ready(word's value): spin for spin_ns (a wait that
+  // outlasts it counts in slept), then sleep on word's futex, counted in `sleepers` (whoever
+  // changes word wakes it when they are > 0).
+  template <class Ready>
+  void hold(std::atomic<int>& word, std::atomic<int>& sleepers_of, Ready ready) {
     waits.fetch_add(1, std::memory_order_relaxed);
     if (spin_ns > 0) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
       for (int i = 1;; ++i) {
-        if (gen.load(std::memory_order_acquire) != g) return;
+        if (ready(word.load(std::memory_order_acquire))) return;
         cpu_relax();
         if ((i & 31) == 0 && std::chrono::steady_clock::now() > until) break;
       }
       slept.fetch_add(1, std::memory_order_relaxed);
     }
-    sleepers.fetch_add(1, std::memory_order_seq_cst);
-    while (gen.load(std::memory_order_seq_cst) == g) sleep_on(&gen, g);
-    sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    sleepers_of.fetch_add(1, std::memory_order_seq_cst);
+    for (int v; !ready(v = word.load(std::memory_order_seq_cst));) sleep_on(&word, v);
+    sleepers_of.fetch_sub(1, std::memory_order_seq_cst);
   }
 };
 
@@ -753,7 +761,7 @@ struct Barrier {
 // tokens follow those of the threads before it, so before a layer's attention a thread
 // needs the layer's keys of the threads before it only: it waits for those (thread 0 for
 // none), where a barrier held every thread until the slowest had stored, at every layer.
-// Its waits spin for the barrier's spin_ns, then sleep; they count in its waits / slept.
+// Its waits are the barrier's (Barrier::hold: spin, then sleep, counted as its waits).
 struct Progress {
   struct alignas(64) Slot {
     std::atomic<int> layers{0};
@@ -772,23 +780,8 @@ struct Progress {
   void await(int64_t tid, int layers, Barrier& bar) {
     for (int64_t j = 0; j < tid; ++j) {
       Slot& s = slot[static_cast<size_t>(j)];
-      if (s.layers.load(std::memory_order_acquire) >= layers) continue;
-      bar.waits.fetch_add(1, std::memory_order_relaxed);
-      bool ready = false;
-      if (bar.spin_ns > 0) {
-        const auto until =
-            std::chrono::steady_clock::now() + std::chrono::nanoseconds(bar.spin_ns);
-        for (int i = 1; !(ready = s.layers.load(std::memory_order_acquire) >= layers); ++i) {
-          cpu_relax();
-          if ((i & 31) == 0 && std::chrono::steady_clock::now() > until) break;
-        }
-      }
-      if (ready) continue;
-      bar.slept.fetch_add(1, std::memory_order_relaxed);
-      s.sleepers.fetch_add(1, std::memory_order_seq_cst);
-      for (int v; (v = s.layers.load(std::memory_order_seq_cst)) < layers;)
-        Barrier::sleep_on(&s.layers, v);
-      s.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (s.layers.load(std::memory_order_acquire) < layers)
+        bar.hold(s.layers, s.sleepers, [layers](int v) { return v >= layers; });
     }
   }
 };
