@@ -629,13 +629,15 @@ def test_a_long_forward_that_waits_does_not_stop_the_decode_steps_spinning(
     forward whose waits outlasted the spin (a busy machine). A prefill's waits outlast it
     because its steps are long: that must not turn spinning off for the decode steps after
     it (it did, and each decode step then slept at its ~330 barriers: 3x slower on an idle
-    machine). Forwards of 1, up to 16, up to 64 and more tokens learn apart, and a longer
-    forward spins longer (its threads' shares are longer, and so are their waits)."""
+    machine). Forwards of 1, up to 16 by panels, up to 16 by rows, up to 64 and more tokens
+    learn apart, and a longer forward spins longer (its threads' shares are longer, and so
+    are their waits)."""
     lib = quant_gemm.library()
     if lib is None:
         pytest.skip("no quantized kernel")
     monkeypatch.delenv("CODESPEC_SPIN_US", raising=False)
     lib.cs_lean_spin_reset()  # (earlier tests ran 3 threads on 2 cores: they slept)
+    row_split = lib.cs_lean_row_split(8)  # by rows from 8 tokens (the default)
     try:
         spin = lib.cs_lean_spin_ns(1)
         assert spin > 0
@@ -651,8 +653,14 @@ def test_a_long_forward_that_waits_does_not_stop_the_decode_steps_spinning(
         assert lib.cs_lean_spin_ns(16) == 4 * spin  # and the verifications, longer
         assert lib.cs_lean_spin_ns(64) == 16 * spin
         assert (lib.cs_lean_spin_ns(4), lib.cs_lean_spin_ns(8)) == (spin, 2 * spin)
-        lib.cs_lean_spin_observe(16, spin, 330, 42)  # a verification, over one wait in 8
-        assert lib.cs_lean_spin_ns(2) == 0
+        # a verification shared out by rows, over one wait in 8: its later thread waits for
+        # the earlier one's keys at every layer because that is their order, and the small
+        # drafts' forwards by panels after it must still spin (they slept, ~2x as long)
+        lib.cs_lean_spin_observe(16, spin, 330, 42)
+        assert (lib.cs_lean_spin_ns(16), lib.cs_lean_spin_ns(8)) == (0, 0)
+        assert (lib.cs_lean_spin_ns(2), lib.cs_lean_spin_ns(7)) == (spin, spin)
+        lib.cs_lean_spin_observe(4, spin, 330, 42)  # a small verification by panels
+        assert (lib.cs_lean_spin_ns(2), lib.cs_lean_spin_ns(7)) == (0, 0)
         assert lib.cs_lean_spin_ns(1) == spin
         lib.cs_lean_spin_observe(64, spin, 330, 42)
         assert lib.cs_lean_spin_ns(17) == 0
@@ -665,6 +673,7 @@ def test_a_long_forward_that_waits_does_not_stop_the_decode_steps_spinning(
         assert lib.cs_lean_spin_ns(1) == spin
     finally:
         lib.cs_lean_spin_reset()
+        lib.cs_lean_row_split(row_split)
 
 
 def _walk_end(logits: torch.Tensor, ids: list[int], parents: list[int] | None) -> int:

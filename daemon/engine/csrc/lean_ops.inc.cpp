@@ -775,8 +775,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   tap(m, f, 0, b.x.data());
   const int64_t threads = f.threads > 1 ? f.threads : 1;
   // Shared out by rows (g_row_split): thread i's tokens are [starts[i], starts[i + 1]).
-  const int64_t row_min = g_row_split.load(std::memory_order_relaxed);
-  const bool rows_planned = threads > 1 && row_min > 0 && T >= row_min && T >= threads;
+  const bool rows_planned = by_rows(T, threads);
   std::atomic<double>& split_of = rows_planned ? g_split_rows : g_split;
   const double split = split_of.load(std::memory_order_relaxed);  // thread 0's, of two
   Plan plan;

@@ -167,6 +167,12 @@ std::atomic<int64_t> g_row_split{[] {
 
 std::atomic<int64_t> g_row_forwards{0};  // forwards shared out so (cs_lean_row_forwards)
 
+// Whether a forward of T tokens on `threads` threads is shared out by rows (g_row_split).
+inline bool by_rows(int64_t T, int64_t threads) {
+  const int64_t row_min = g_row_split.load(std::memory_order_relaxed);
+  return threads > 1 && row_min > 0 && T >= row_min && T >= threads;
+}
+
 // Lines of the cache to prefetch: a range of 64-byte lines, then a second one (a chunk's
 // K tiles, then its V rows; each contiguous in the cache).
 struct Lines {
@@ -789,28 +795,34 @@ struct Progress {
 // Spin or not, per forward: spin (SPIN_US, env CODESPEC_SPIN_US, 0 never) until a forward's
 // waits often outlast the spin (more than one in 8: threads descheduled, the machine is
 // busy); then sleep at once for PAUSE forwards (doubling to 1024 while it stays busy)
-// before one forward tries spinning again. Kept apart by the forward's size (1 token, up to
-// 16, up to 64, more): a prefill's waits outlast the spin because its steps are long, not
-// because the machine is busy, and sleeping costs it little; the decode steps after it
-// must not learn from it (they did: a 1,000-token prefill left the next decode steps
-// sleeping at each of their ~330 barriers, 3x slower on an idle machine).
+// before one forward tries spinning again. Kept apart by the forward's kind (1 token; up to
+// 16 by panels; up to 16 by rows; up to 64; more): a prefill's waits outlast the spin
+// because its steps are long, not because the machine is busy, and sleeping costs it
+// little; the decode steps after it must not learn from it (they did: a 1,000-token
+// prefill left the next decode steps sleeping at each of their ~330 barriers, 3x slower on
+// an idle machine). So with a verification shared out by rows, whose later threads wait
+// for the earlier ones' keys at every layer (Progress) because that is their order: a
+// 13-token tree's waits turned spinning off for the small drafts' forwards by panels after
+// it, each then ~2x as long (4 tokens after 1,300 cached, Zen 4: 11-14 ms against 6).
 struct SpinPolicy {
   struct State {
     std::atomic<int64_t> forwards{0}, skip_until{0}, pause{16}, trips{0};
   };
-  static constexpr int SIZES = 4;
+  static constexpr int SIZES = 5;
   State size[SIZES];
   std::atomic<int64_t> forwards{0};  // one-region forwards run (cs_lean_team_forwards)
   int64_t spin_ns = -1;
 
-  static int size_of(int64_t T) { return T <= 1 ? 0 : T <= 16 ? 1 : T <= 64 ? 2 : 3; }
-  int64_t spin_for_next(int64_t T) {
+  static int size_of(int64_t T, bool rows) {
+    return T <= 1 ? 0 : T <= 16 ? (rows ? 2 : 1) : T <= 64 ? 3 : 4;
+  }
+  int64_t spin_for_next(int64_t T, bool rows) {
     if (spin_ns < 0) {
       const char* e = std::getenv("CODESPEC_SPIN_US");
       const double us = e ? std::atof(e) : 50.0;
       spin_ns = us > 0 ? static_cast<int64_t>(us * 1000.0) : 0;
     }
-    const State& s = size[size_of(T)];
+    const State& s = size[size_of(T, rows)];
     // A longer forward's steps are longer, and so are the waits its threads' uneven
     // shares leave at a barrier: the spin grows with the tokens (x1 up to 4, x16 from 64).
     // With 50 us for every size, 32- and 64-token forwards on an idle Zen 5 outlasted it
@@ -820,8 +832,8 @@ struct SpinPolicy {
     const int64_t scale = T <= 4 ? 1 : T >= 64 ? 16 : T / 4;
     return s.forwards.load() >= s.skip_until.load() ? spin_ns * scale : 0;
   }
-  void after(int64_t T, int64_t spun_ns, int64_t waits, int64_t slept) {
-    State& s = size[size_of(T)];
+  void after(int64_t T, bool rows, int64_t spun_ns, int64_t waits, int64_t slept) {
+    State& s = size[size_of(T, rows)];
     const int64_t n = s.forwards.fetch_add(1) + 1;
     if (spun_ns <= 0 || waits == 0) return;
     if (slept * 8 > waits) {
@@ -1377,17 +1389,17 @@ int64_t cs_lean_team_forwards() { return spin_policy().forwards.load(); }
 
 // The spin (ns, 0: sleep at once) the next one-region forward of T tokens gets at its
 // barriers; and the spin policy told what a forward of T tokens saw (what cs_lean_forward
-// does after each one): for tests and diagnostics.
-int64_t cs_lean_spin_ns(int64_t T) { return spin_policy().spin_for_next(T); }
+// does after each one): for tests and diagnostics, T's kind as on two threads (by_rows).
+int64_t cs_lean_spin_ns(int64_t T) { return spin_policy().spin_for_next(T, by_rows(T, 2)); }
 void cs_lean_spin_observe(int64_t T, int64_t spun_ns, int64_t waits, int64_t slept) {
-  spin_policy().after(T, spun_ns, waits, slept);
+  spin_policy().after(T, by_rows(T, 2), spun_ns, waits, slept);
 }
-// Forwards of T tokens' size so far, and how many of them turned spinning off.
+// Forwards of T tokens' kind so far, and how many of them turned spinning off.
 int64_t cs_lean_spin_forwards(int64_t T) {
-  return spin_policy().size[SpinPolicy::size_of(T)].forwards.load();
+  return spin_policy().size[SpinPolicy::size_of(T, by_rows(T, 2))].forwards.load();
 }
 int64_t cs_lean_spin_trips(int64_t T) {
-  return spin_policy().size[SpinPolicy::size_of(T)].trips.load();
+  return spin_policy().size[SpinPolicy::size_of(T, by_rows(T, 2))].trips.load();
 }
 // Forget what the spin policy learnt (every size spins again), for tests.
 void cs_lean_spin_reset() {
@@ -1411,7 +1423,8 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
   if (!per_product && team_ok(*m)) {
     thread_local Barrier bar;
     SpinPolicy& sp = spin_policy();
-    bar.spin_ns = sp.spin_for_next(f->T);
+    const bool rows = by_rows(f->T, f->threads);
+    bar.spin_ns = sp.spin_for_next(f->T, rows);
     bar.waits = 0;
     bar.slept = 0;
     int rc;
@@ -1422,7 +1435,7 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
 #endif
       rc = zs::forward_team(*m, *f, bar);
     sp.forwards.fetch_add(1);
-    sp.after(f->T, bar.spin_ns, bar.waits.load(), bar.slept.load());
+    sp.after(f->T, rows, bar.spin_ns, bar.waits.load(), bar.slept.load());
     return rc;
   }
 #ifdef LS_X86
