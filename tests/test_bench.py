@@ -50,6 +50,46 @@ def test_methods_bench_prints_table_and_json(tmp_path, capsys, model, engine):
     assert ("completion", "hf") in rows and ("novel", "off") in rows
 
 
+def test_steps_tell_where_each_methods_decode_time_went(tmp_path, capsys, model, engine):
+    """``--steps``: every step the engine verified, by who drafted it and how it ended.
+    The prompt's continuation lies in an open document, so n-gram drafts are accepted;
+    the steps' tokens are every token but the one the prefill wrote, and off (no
+    proposer) has none. Without ``--steps`` the JSON line has no such rows."""
+    first = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n"
+    engine.reset_cache()
+    plain, _ = engine.generate(engine.encode(first), GenParams(max_tokens=24))
+    doc = {"uri": "file:///pkg/ops.py", "text": first + engine.decode(plain)}
+    item = {"id": "a", "prompt": first, "max_tokens": 24, "documents": [doc]}
+    wl = tmp_path / "w.jsonl"
+    wl.write_text(json.dumps(item))
+    assert dispatch([str(wl), "--methods", "off,ngram", "--steps", *model]) == 0
+    out = capsys.readouterr().out
+    assert "where decode time went" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    steps = result["steps"]
+    assert {s["method"] for s in steps} == {"ngram"}
+    ngram = next(r for r in result["rows"] if r["method"] == "ngram")
+    assert sum(s["tokens"] for s in steps) == ngram["tokens"] - 1
+    assert sum(s["steps"] for s in steps) == ngram["target_forwards"] - 1  # the prefill
+    assert all(s["forward_ms"] > 0 for s in steps)
+    accepted = [s for s in steps if s["outcome"] in ("whole", "part")]
+    assert accepted and all(s["source"].startswith("ngram:") for s in accepted)
+    assert all(s["nodes"] == 0 for s in steps if s["outcome"] == "plain")
+    assert dispatch([str(wl), "--methods", "off,ngram", *model]) == 0
+    assert "steps" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_steps_count_each_prompts_fastest_round():
+    """The steps counted are those of the round whose decode time counts (the fastest)."""
+    from codespec.daemon.bench.methods import Run, Step, add_steps
+
+    slow = Run(3, 2, 90.0, [1, 2, 3], 10.0, [Step("ngram:context", "bonus", 4, 1, 30.0)])
+    fast = Run(3, 2, 70.0, [1, 2, 3], 5.0, [Step("ngram:context", "whole", 2, 3, 20.0)])
+    table: dict = {}
+    add_steps(table, {"ngram": [slow, fast]})
+    assert table == {("ngram", "ngram:context", "whole"): [1, 2, 3, 20.0]}
+
+
 def test_methods_bench_takes_several_workloads_and_a_temperature(tmp_path, capsys, model):
     paths = []
     for kind, prompt in (("completion", "def add(a, b):\n"), ("novel", "import os\n")):

@@ -17,7 +17,9 @@ the budget the daemon's ``edit`` requests get (``NAME@K`` sets it).
 Reported per method (and per workload kind): tokens, target forwards, tokens
 per forward (prefill counted as a forward), wall ms, speedup vs ``off``
 (sum of off's wall time over the method's, same prompts), and whether the
-output token ids equal off's.
+output token ids equal off's. With ``--steps``, also where each method's decode
+time went: its verified steps by who drafted and how the draft ended (accepted
+whole, in part, only the bonus token; plain steps), with their tokens and forward ms.
 """
 
 from __future__ import annotations
@@ -27,12 +29,26 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any
 
 PEERS = ("hf", "hf-pld")
+
+
+@dataclass
+class Step:
+    """One step the engine verified for a speculative run: who drafted it (its first
+    node's source; ``plain`` without a draft), how the draft ended (``whole``, ``part``,
+    ``bonus``: no draft node accepted; ``plain``), its draft nodes, the tokens it produced
+    and its verify forward's ms."""
+
+    source: str
+    outcome: str
+    nodes: int
+    tokens: int
+    forward_ms: float
 
 
 @dataclass
@@ -42,6 +58,31 @@ class Run:
     ms: float
     ids: list[int]
     first_ms: float = 0.0  # time to the first generated token (the prefill, mostly)
+    steps: list[Step] = field(default_factory=list)  # with --steps: every verified step
+
+
+class StepLog:
+    """A proposer that notes each step the engine verifies for it (:class:`Step`);
+    otherwise the proposer itself (every other attribute is its own)."""
+
+    def __init__(self, proposer: Any) -> None:
+        self._proposer = proposer
+        self.steps: list[Step] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._proposer, name)
+
+    def observe(self, result: Any) -> None:
+        draft = result.draft
+        nodes = len(draft) if draft is not None else 0
+        if not nodes:
+            source, outcome = "plain", "plain"
+        else:
+            source = draft.source(0)
+            accepted = result.accepted_len
+            outcome = "whole" if accepted == nodes else "part" if accepted else "bonus"
+        self.steps.append(Step(source, outcome, nodes, len(result.tokens), result.forward_ms))
+        self._proposer.observe(result)
 
 
 @dataclass
@@ -183,13 +224,18 @@ def run_engine(
     temperature: float = 0.0,
     seed: int = 0,
     heal: str = "",
+    steps: bool = False,
 ) -> Run:
+    """One timed decode of ``prompt`` by ``method``; ``steps``: note every verified step
+    (:class:`StepLog`)."""
     from codespec.daemon.engine.engine import GenParams
     from codespec.daemon.text.healing import constraint
     from codespec.speculators.draft import RequestInfo
     from codespec.speculators.registry import make_proposer
 
     proposer = make_proposer(method, engine, index)
+    if steps and proposer is not None:
+        proposer = StepLog(proposer)
     info = RequestInfo(
         prompt_ids=prompt,
         uri=uri,
@@ -205,7 +251,8 @@ def run_engine(
         constraint=constraint(engine, heal),
     )
     ids, stats, ms = decode_once(engine, prompt, params, proposer, info)
-    return Run(stats.tokens, stats.target_forwards, ms, ids, stats.ttft_ms)
+    noted = proposer.steps if isinstance(proposer, StepLog) else []
+    return Run(stats.tokens, stats.target_forwards, ms, ids, stats.ttft_ms, noted)
 
 
 def add_engine_args(p: argparse.ArgumentParser, threads: int) -> None:
@@ -271,6 +318,12 @@ def _parser() -> argparse.ArgumentParser:
         "next method; each method's fastest round counts (a shared machine's noise only "
         "ever adds time)",
     )
+    p.add_argument(
+        "--steps",
+        action="store_true",
+        help="also print where each method's decode time went: its verified steps by who "
+        "drafted and how the draft ended (each prompt's fastest round)",
+    )
     return p
 
 
@@ -306,7 +359,7 @@ def run_method(
     name = method.partition("@")[0]
     return run_engine(
         engine, name, prompt, max_tokens, index, item.get("uri"), draft_ids,
-        draft_budget(method, item, args.max_draft), args.temperature, seed, heal,
+        draft_budget(method, item, args.max_draft), args.temperature, seed, heal, args.steps,
     )  # fmt: skip
 
 
@@ -354,6 +407,38 @@ def _accumulate(
             a.equal += int(all(r.ids == off[0].ids for r in rs))
 
 
+def add_steps(table: dict[tuple[str, str, str], list[float]], runs: dict[str, list[Run]]) -> None:
+    """Add one prompt's verified steps to ``table`` ((method, source, outcome) -> [steps,
+    nodes, tokens, forward ms]): each method's fastest round by decode time, the round
+    whose time the figures count."""
+    for m, rs in runs.items():
+        fastest = min(rs, key=lambda r: r.ms - r.first_ms)
+        for st in fastest.steps:
+            row = table.setdefault((m, st.source, st.outcome), [0, 0, 0, 0.0])
+            row[0] += 1
+            row[1] += st.nodes
+            row[2] += st.tokens
+            row[3] += st.forward_ms
+
+
+def print_steps(table: dict[tuple[str, str, str], list[float]]) -> list[dict[str, Any]]:
+    """The ``--steps`` table (by method, the costliest rows first); its rows for the JSON."""
+    head = f"{'method':<11}{'drafted by':<20}{'outcome':<9}{'steps':>7}{'nodes':>8}"
+    head += f"{'tokens':>8}{'forward ms':>12}{'ms/token':>10}"
+    print("where decode time went (each prompt's fastest round; the verify forwards' ms)")
+    print(head)
+    print("-" * len(head))
+    rows = []
+    for (m, source, outcome), (n, nodes, tokens, ms) in sorted(
+        table.items(), key=lambda kv: (kv[0][0], -kv[1][3])
+    ):
+        per = ms / tokens if tokens else 0.0
+        print(f"{m:<11}{source:<20}{outcome:<9}{n:>7}{nodes:>8}{tokens:>8}{ms:>12.0f}{per:>10.2f}")
+        rows.append({"method": m, "source": source, "outcome": outcome, "steps": n,
+                     "nodes": nodes, "tokens": tokens, "forward_ms": round(ms, 1)})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     methods, bad = parse_methods(args.methods)
@@ -390,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:  # warm-up: first prompt, every method, not timed
         one(m, 0)
     aggs: dict[tuple[str, str], Agg] = {}
+    steps: dict[tuple[str, str, str], list[float]] = {}
     items_kinds = {item.get("kind", "prompt") for item in items}
     matches_new = edits = 0  # edit items whose plain output is the new version
     for n, item in enumerate(items):
@@ -404,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             edits += 1
         kinds = {"all", item.get("kind", "prompt")} if len(items_kinds) > 1 else {"all"}
         _accumulate(aggs, kinds, runs)
+        add_steps(steps, runs)
         print(
             f"  [{n + 1}/{len(items)}] {item.get('id', n)}: "
             + "  ".join(
@@ -414,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if edits:
         print(f"edits whose output equals the new version: {matches_new}/{edits}", file=sys.stderr)
-    print_table(aggs, engine, args, {"edits": edits, "output_equals_new": matches_new})
+    extra: dict[str, Any] = {"edits": edits, "output_equals_new": matches_new}
+    print_table(aggs, engine, args, extra, steps if args.steps else None)
     return 0
 
 
@@ -491,8 +579,13 @@ def _build_index(engine, items: list[dict[str, Any]]):
 
 
 def print_table(
-    aggs: dict[tuple[str, str], Agg], engine, args: argparse.Namespace, extra: dict[str, Any]
+    aggs: dict[tuple[str, str], Agg],
+    engine,
+    args: argparse.Namespace,
+    extra: dict[str, Any],
+    steps: dict[tuple[str, str, str], list[float]] | None = None,
 ) -> None:
+    """The table, ``steps``' table (:func:`print_steps`) when given, then the JSON line."""
     head = f"{'workload':<11}{'method':<9}{'prompts':>8}{'tokens':>8}{'forwards':>9}"
     head += f"{'tok/fwd':>9}{'wall ms':>10}{'vs off':>8}{'decode ms':>11}{'vs off':>8}{'= off':>8}"
     print(
@@ -527,6 +620,8 @@ def print_table(
                 "equal_to_off": a.equal,
             }
         )
+    if steps is not None:
+        extra = {**extra, "steps": print_steps(steps)}
     print(
         json.dumps(
             {
