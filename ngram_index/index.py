@@ -131,6 +131,8 @@ class NgramIndex:
     def _tick(self, d: Doc) -> None:
         self._clock += 1
         d.seq = self._clock
+        if d.slot >= 0:  # the segment's copy, read by lookups
+            self._segment.seqs[d.slot] = d.seq
 
     def _loosen(self, d: Doc) -> None:
         """Take ``d`` out of the frozen segment so that it can be edited."""
@@ -351,7 +353,9 @@ class NgramIndex:
 
         loose = [d for d in self._docs.values() if d.slot < 0]
         hits = loose_hits(loose, key, suffix, g, max_n, tier_of)
-        seg_hits = segment_hits(self._segment, key, suffix, g, max_n, tier_of)
+        cur = self._docs.get(uri) if uri is not None else None
+        current = cur.slot if cur is not None else -1
+        seg_hits = segment_hits(self._segment, key, suffix, g, max_n, current)
         return rank([seg_hits, *hits] if seg_hits is not None else hits, k, b, min_n)
 
     # ------------------------------------------------------------- persistence

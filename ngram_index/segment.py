@@ -78,6 +78,9 @@ class Segment:
         self.skeys = keys[order]  # (K,) sorted keys
         self.spos = order.astype(np.int32)  # (K,) their positions in cat
         self.alive = np.ones(len(docs), dtype=bool)  # (D,)
+        # each document's tier were it not the current one (lookup's: 1 open, 2 workspace)
+        self.tiers = np.asarray([1 if d.kind == "open" else 2 for d in docs], dtype=np.int64)
+        self.seqs = np.asarray([d.seq for d in docs], dtype=np.int64)  # (D,) Doc.seq, kept
         for slot, d in enumerate(docs):
             start = int(self.doc_start[slot])
             d.tokens = self.cat[start : start + d.tokens.shape[0]]

@@ -179,6 +179,41 @@ def test_lookup_ranks_document_then_open_then_workspace(tok: Any, frozen: bool) 
     assert idx.lookup(ctx, uri="file:///ws.py", k=3)[0].source == "document"
 
 
+def test_lookups_read_the_most_recently_used_documents_first_frozen_or_loose(tok: Any) -> None:
+    """Seeded random touches of documents sharing a line: within a tier the latest used
+    document's continuation comes first, and an index whose documents sit in the frozen
+    segment (tiers and recency read from its per-document arrays) answers every lookup as
+    one whose documents are all loose (each document asked)."""
+    rng = random.Random(7)
+    names = [f"file:///m{i}.py" for i in range(6)]
+    kinds = ["open", "workspace", "open", "open", "workspace", "open"]
+    texts = [
+        f"total = compute(arg{i})\nvalue_{i} = {i}\ntotal = compute(more{i})\n" for i in range(6)
+    ]
+    loose = NgramIndex(tok, max_n=6, min_n=2, loose_docs_limit=100)
+    frozen = NgramIndex(tok, max_n=6, min_n=2)
+    for idx in (loose, frozen):
+        for name, kind, text in zip(names, kinds, texts, strict=True):
+            idx.open(name, text, kind=kind)  # type: ignore[arg-type]
+    frozen.compact()
+    assert loose.stats()["loose_documents"] == 6 and frozen.stats()["loose_documents"] == 0
+    ctx = ids(tok, "\ntotal = compute(")
+    for _ in range(60):
+        touched = rng.sample(names, rng.randrange(1, 4))
+        current = rng.choice(names)
+        for idx in (loose, frozen):
+            for name in touched:
+                idx.touch(name)
+        got = frozen.lookup(ctx, uri=current, k=3, b=12)
+        assert got == loose.lookup(ctx, uri=current, k=3, b=12)
+        assert got[0].uri == current and got[0].source == "document"
+        # the open tier: the last touched open document first (the current one aside)
+        opened = [n for n in reversed(touched) if kinds[names.index(n)] == "open" and n != current]
+        tier = [c.uri for c in got if c.source == "open"]
+        if opened:
+            assert tier[0] == opened[0]
+
+
 @pytest.mark.parametrize("frozen", [False, True], ids=["loose", "frozen"])
 def test_longest_match_wins_and_nothing_matches_gives_nothing(tok: Any, frozen: bool) -> None:
     """Within a tier only the longest suffix match is kept; an unseen context returns [];
