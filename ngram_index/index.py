@@ -49,7 +49,8 @@ from typing import Any, Literal
 import msgpack
 import numpy as np
 
-from codespec.ngram_index.lookup import Candidate, loose_hits, rank, segment_hits
+import codespec.ngram_index.native as native
+from codespec.ngram_index.lookup import SOURCES, Candidate, loose_hits, rank, segment_hits
 from codespec.ngram_index.positions import TextDocument
 from codespec.ngram_index.segment import KEY_BITS, MAX_KEY_N, Doc, Segment, gram_keys, pack_key
 
@@ -118,6 +119,7 @@ class NgramIndex:
         self._current: str | None = None
         self._tokens = 0
         self._hash: str | None = None
+        self._native: native.NativeLookup | None = None  # made at the first lookup
         self.incremental = supports_cuts(tokenizer)
 
     # ----------------------------------------------------------------- documents
@@ -345,16 +347,28 @@ class NgramIndex:
             self._current = uri
             self._tick(self._docs[uri])
         self._maybe_compact()
-        suffix = np.asarray(context[-max(max_n, g) :], dtype=np.int64)  # (S,)
-        key = pack_key(suffix[-g:].tolist())
+        tail = [int(t) for t in context[-max(max_n, g) :]]  # (S,)
+        key = pack_key(tail[-g:])
 
         def tier_of(d: Doc) -> int:
             return 0 if d.uri == uri else (1 if d.kind == "open" else 2)
 
         loose = [d for d in self._docs.values() if d.slot < 0]
-        hits = loose_hits(loose, key, suffix, g, max_n, tier_of)
         cur = self._docs.get(uri) if uri is not None else None
         current = cur.slot if cur is not None else -1
+        in_cpp = native.available()
+        if in_cpp and self._native is None:
+            self._native = native.NativeLookup()
+        if in_cpp and self._native is not None:  # one C++ call, the same candidates
+            for d in loose:
+                if d.keys is None:
+                    d.keys = gram_keys(d.tokens, g)
+            found = self._native.run(self._segment, [(d, tier_of(d)) for d in loose], key,
+                                     tail, g, max_n, k, b, min_n, current)  # fmt: skip
+            return [Candidate(tokens, count / reads, count, n, SOURCES[tier], d.uri)
+                    for tokens, count, n, tier, reads, d in found]  # fmt: skip
+        suffix = np.asarray(tail, dtype=np.int64)
+        hits = loose_hits(loose, key, suffix, g, max_n, tier_of)
         seg_hits = segment_hits(self._segment, key, suffix, g, max_n, current)
         return rank([seg_hits, *hits] if seg_hits is not None else hits, k, b, min_n)
 

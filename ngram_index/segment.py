@@ -42,7 +42,7 @@ def pack_key(tail: Sequence[int]) -> int:
 
 
 class Doc:
-    __slots__ = ("doc", "keys", "kind", "seq", "slot", "starts", "tokens", "uri")
+    __slots__ = ("doc", "keys", "kind", "native", "seq", "slot", "starts", "tokens", "uri")
 
     def __init__(
         self, uri: str, kind: str, doc: TextDocument, tokens: np.ndarray, starts: np.ndarray
@@ -55,6 +55,8 @@ class Doc:
         self.keys: np.ndarray | None = None  # (N,) int64, kept while loose
         self.seq = 0  # LRU clock value of the last use
         self.slot = -1  # index in the frozen segment, -1 when loose
+        # (tokens, keys, their addresses) as the C++ lookup last read them (.native)
+        self.native: tuple | None = None
 
 
 class Segment:

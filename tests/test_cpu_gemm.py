@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from codespec.daemon.engine import cpu_gemm, native
+from codespec import native
+from codespec.daemon.engine import cpu_gemm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,7 +163,7 @@ def test_a_fresh_cache_builds_once_and_reuses(tmp_path) -> None:
     env["CXX"] = ""
     no_compiler = code.replace(
         "import sys; ",
-        "import sys; from codespec.daemon.engine import native; assert native.compiler() is None; ",
+        "import sys; from codespec import native; assert native.compiler() is None; ",
         1,
     )
     subprocess.run([sys.executable, "-c", no_compiler], env=env, check=True)

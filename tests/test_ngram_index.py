@@ -179,6 +179,50 @@ def test_lookup_ranks_document_then_open_then_workspace(tok: Any, frozen: bool) 
     assert idx.lookup(ctx, uri="file:///ws.py", k=3)[0].source == "document"
 
 
+def test_the_cpp_lookup_gives_the_numpy_lookups_candidates(tok: Any, monkeypatch) -> None:
+    """Seeded random documents (open and workspace, frozen and loose, edited, touched,
+    closed) and contexts (from the documents and random ids, several ``k``, ``b``,
+    ``min_n``, current documents): every lookup in C++ equals the numpy path's."""
+    from codespec.ngram_index import native
+
+    if not native.available():
+        pytest.skip("no C++ compiler")
+    rng = random.Random(11)
+    source = (STDLIB / "textwrap.py").read_text()[:6000]
+    idx = NgramIndex(tok, max_n=8, min_n=2, loose_docs_limit=3)
+    names = [f"file:///d{i}.py" for i in range(7)]
+    for i, name in enumerate(names):
+        a = rng.randrange(0, 4000)
+        idx.open(name, source[a : a + 1500], kind="open" if i % 3 else "workspace")
+    toks = ids(tok, source)
+    checked = 0
+    for step in range(120):
+        name = rng.choice(names)
+        if step % 10 == 3 and name in idx:
+            idx.compact()
+        elif step % 10 == 6 and name in idx:
+            text = idx.text(name)
+            idx.change(name, [{"text": text[: len(text) // 2] + random_insert(rng)}])
+        elif step % 29 == 28:
+            idx.close(name)
+        else:
+            idx.touch(name) if name in idx else idx.open(name, source[:900])
+        for _ in range(6):
+            if rng.random() < 0.8:
+                cut = rng.randrange(3, len(toks))
+                ctx = toks[max(0, cut - 12) : cut]
+            else:
+                ctx = [rng.randrange(0, 700) for _ in range(rng.randrange(2, 10))]
+            args = dict(uri=rng.choice([*names, None]), k=rng.choice([1, 4, 16]),
+                        b=rng.choice([1, 4, 8]), min_n=rng.choice([2, 3]))  # fmt: skip
+            monkeypatch.setenv("CODESPEC_INDEX_LOOKUP", "numpy")
+            want = idx.lookup(ctx, **args)
+            monkeypatch.delenv("CODESPEC_INDEX_LOOKUP")
+            assert idx.lookup(ctx, **args) == want
+            checked += bool(want)
+    assert checked > 200  # most contexts found something
+
+
 def test_lookups_read_the_most_recently_used_documents_first_frozen_or_loose(tok: Any) -> None:
     """Seeded random touches of documents sharing a line: within a tier the latest used
     document's continuation comes first, and an index whose documents sit in the frozen

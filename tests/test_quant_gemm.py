@@ -25,7 +25,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from codespec.daemon.engine import cpu_gemm, native, quant_gemm  # noqa: E402
+from codespec import native  # noqa: E402
+from codespec.daemon.engine import cpu_gemm, quant_gemm  # noqa: E402
 from codespec.daemon.engine.quant_gemm import QuantMatrix  # noqa: E402
 
 TYPES = list(quant_gemm.QTYPES)

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from codespec.daemon.engine.native import NativeLibrary
+from codespec.native import NativeLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "gemm.cpp"
 PANEL = 16  # output columns per packed panel (two AVX2 vectors)

@@ -18,7 +18,7 @@ Dispatch: the best ISA this CPU has, AVX-512 (F/BW/VL/DQ), else AVX2+FMA+F16C, e
 plain C++ (also what a non-x86 machine runs). ``CODESPEC_QGEMM_ISA=scalar|avx2|avx512``
 forces one (a name this CPU lacks is an error, not a silent fallback); so does the
 ``isa`` argument of :func:`linear`. The library is built once with the system compiler
-into :func:`codespec.daemon.engine.native.kernel_dir`, without ``-march``: each ISA's code
+into :func:`codespec.native.kernel_dir`, without ``-march``: each ISA's code
 carries its own target attributes (``#pragma GCC target``: g++ builds it, clang++ does
 not).
 
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from codespec.daemon.engine.cpu_gemm import THREADED_ROWS, THREADED_WEIGHTS
-from codespec.daemon.engine.native import NativeLibrary
+from codespec.native import NativeLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
 # Built into the same library: the lean runner's decoder stack (``qstack``), which calls

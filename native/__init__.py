@@ -1,6 +1,9 @@
-"""Building and loading the engine's C++ libraries (the CPU kernels of :mod:`.cpu_gemm` and
-:mod:`.quant_gemm`): compiled once per machine with the system C++ compiler, loaded with
-``ctypes``, or a one-line reason why not.
+"""``codespec.native``: building and loading codespec's C++ libraries (the engine's CPU
+kernels, :mod:`codespec.daemon.engine.cpu_gemm` and
+:mod:`codespec.daemon.engine.quant_gemm`; the n-gram index's lookup,
+:mod:`codespec.ngram_index.native`): compiled once per machine with the system C++
+compiler, loaded with ``ctypes``, or a one-line reason why not. A package of its own so
+that the index, which must not import the daemon, builds its lookup the same way.
 
 Owns: where builds live (:func:`kernel_dir`; one file per library, named by a hash of its
 sources and flags, so an edited source is built anew and an old build is never loaded),
@@ -21,8 +24,6 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from codespec.daemon.config import default_state_dir
-
 
 def compiler() -> str | None:
     """``$CXX``, else the first of g++, c++, clang++ on the PATH; None when there is none."""
@@ -34,9 +35,13 @@ def compiler() -> str | None:
 
 
 def kernel_dir() -> Path:
-    """``$CODESPEC_KERNEL_DIR``, else ``<state dir>/kernels`` (under ``$XDG_CACHE_HOME``)."""
+    """``$CODESPEC_KERNEL_DIR``, else ``kernels`` in the daemon's state dir
+    (``$XDG_CACHE_HOME/codespec``, by default ``~/.cache/codespec``)."""
     env = os.environ.get("CODESPEC_KERNEL_DIR")
-    return Path(env) if env else default_state_dir() / "kernels"
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "codespec" / "kernels"
 
 
 class NativeLibrary:
