@@ -183,6 +183,25 @@ def test_taps_survive_prefix_reuse(engine):
     assert all(h is not None and h.shape[1] == 2 for h in warm.step_hidden)
 
 
+def test_a_steps_taps_are_those_of_the_rows_it_kept():
+    """record_step keeps the taps of the kept rows: a tree's path (rows 0, 2, 3 of a
+    forward) as a chain's (its first rows), in cache order after the prompt's."""
+    from types import SimpleNamespace
+
+    from codespec.daemon.engine.slots import CacheSlots
+
+    slots = CacheSlots(SimpleNamespace(max_length=16, length=0), 1)
+    slots.reusable([1, 2, 3, 4], (1, 2))  # asks for two taps
+    slots.record_prompt([1, 2, 3], 0, torch.zeros(3, 2, 4))
+    tree = torch.arange(4 * 2 * 4, dtype=torch.float32).reshape(4, 2, 4)
+    slots.record_step(3, [5, 7, 8], tree, [0, 2, 3])
+    chain = -torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(3, 2, 4)
+    slots.record_step(6, [9, 10], chain, [0, 1])
+    assert slots.cached_ids == [1, 2, 3, 5, 7, 8, 9, 10]
+    assert torch.equal(slots.prompt_hidden(8)[3:6], tree[[0, 2, 3]])
+    assert torch.equal(slots.prompt_hidden(8)[6:8], chain[:2])
+
+
 def test_cache_slots_keep_two_documents_warm(engine):
     """Alternating between two unrelated prompts reuses each one's own cached prefix."""
     a = engine.encode("import json\n\n\ndef load(path):\n    with open(path) as fh:\n")

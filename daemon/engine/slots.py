@@ -146,8 +146,9 @@ class CacheSlots:
         if hidden is None or self.tap_buf is None or self.tap_valid != base:
             self.tap_valid = min(self.tap_valid, base)
             return
-        self.tap_buf[base : base + len(rows)] = hidden[rows]
-        self.tap_valid = base + len(rows)
+        n = len(rows)  # rows ascend from 0 (a path): all of the first n when the last is n - 1
+        self.tap_buf[base : base + n] = hidden[:n] if rows[-1] == n - 1 else hidden[rows]
+        self.tap_valid = base + n
 
     def prompt_hidden(self, n: int) -> torch.Tensor:
         """Tapped hidden states of the first ``n`` cached positions, ``(n, len(taps), H)``."""
