@@ -2,7 +2,8 @@
 
 Owns: LSP positions and text edits (:mod:`.positions`), the incremental n-gram
 index with eviction and persistence (:mod:`.index`), the arrays it keeps
-(:mod:`.segment`) and the longest-suffix lookup with its ranking (:mod:`.lookup`).
+(:mod:`.segment`) and the longest-suffix lookup with its ranking (:mod:`.lookup`; in
+C++, :mod:`.native`).
 Must not touch models, the engine or sockets.
 """
 

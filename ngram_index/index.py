@@ -356,10 +356,9 @@ class NgramIndex:
         loose = [d for d in self._docs.values() if d.slot < 0]
         cur = self._docs.get(uri) if uri is not None else None
         current = cur.slot if cur is not None else -1
-        in_cpp = native.available()
-        if in_cpp and self._native is None:
-            self._native = native.NativeLookup()
-        if in_cpp and self._native is not None:  # one C++ call, the same candidates
+        if native.available():  # one C++ call, the same candidates
+            if self._native is None:
+                self._native = native.NativeLookup()
             for d in loose:
                 if d.keys is None:
                     d.keys = gram_keys(d.tokens, g)

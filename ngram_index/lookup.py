@@ -13,7 +13,9 @@ read; ``count`` is how many of them continue with exactly the candidate's tokens
 ``score = count / occurrences read`` in that tier.
 
 Pure functions over :mod:`.segment`'s arrays; :meth:`NgramIndex.lookup
-<codespec.ngram_index.index.NgramIndex.lookup>` adapts them.
+<codespec.ngram_index.index.NgramIndex.lookup>` adapts them. Where the C++ lookup builds
+(:mod:`.native`, ``csrc/lookup.cpp``) it runs instead, giving the same candidates: these
+are its reference (tested equal) and its fallback.
 """
 
 from __future__ import annotations
