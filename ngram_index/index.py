@@ -52,7 +52,15 @@ import numpy as np
 import codespec.ngram_index.native as native
 from codespec.ngram_index.lookup import SOURCES, Candidate, loose_hits, rank, segment_hits
 from codespec.ngram_index.positions import TextDocument
-from codespec.ngram_index.segment import KEY_BITS, MAX_KEY_N, Doc, Segment, gram_keys, pack_key
+from codespec.ngram_index.segment import (
+    KEY_BITS,
+    MAX_KEY_N,
+    Doc,
+    Segment,
+    gram_keys,
+    kind_tier,
+    pack_key,
+)
 
 __all__ = ["NgramIndex", "TokenizerMismatch", "supports_cuts", "tokenizer_hash"]
 
@@ -351,7 +359,7 @@ class NgramIndex:
         key = pack_key(tail[-g:])
 
         def tier_of(d: Doc) -> int:
-            return 0 if d.uri == uri else (1 if d.kind == "open" else 2)
+            return 0 if d.uri == uri else kind_tier(d.kind)
 
         loose = [d for d in self._docs.values() if d.slot < 0]
         cur = self._docs.get(uri) if uri is not None else None

@@ -41,6 +41,12 @@ def pack_key(tail: Sequence[int]) -> int:
     return key
 
 
+def kind_tier(kind: str) -> int:
+    """A document's tier in a lookup's ranking when it is not the current one (which is
+    tier 0): 1 open, 2 workspace."""
+    return 1 if kind == "open" else 2
+
+
 class Doc:
     __slots__ = ("doc", "keys", "kind", "native", "seq", "slot", "starts", "tokens", "uri")
 
@@ -80,8 +86,8 @@ class Segment:
         self.skeys = keys[order]  # (K,) sorted keys
         self.spos = order.astype(np.int32)  # (K,) their positions in cat
         self.alive = np.ones(len(docs), dtype=bool)  # (D,)
-        # each document's tier were it not the current one (lookup's: 1 open, 2 workspace)
-        self.tiers = np.asarray([1 if d.kind == "open" else 2 for d in docs], dtype=np.int64)
+        # each document's tier were it not the current one
+        self.tiers = np.asarray([kind_tier(d.kind) for d in docs], dtype=np.int64)  # (D,)
         self.seqs = np.asarray([d.seq for d in docs], dtype=np.int64)  # (D,) Doc.seq, kept
         for slot, d in enumerate(docs):
             start = int(self.doc_start[slot])
