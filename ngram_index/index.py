@@ -362,14 +362,14 @@ class NgramIndex:
             return 0 if d.uri == uri else kind_tier(d.kind)
 
         loose = [d for d in self._docs.values() if d.slot < 0]
+        for d in loose:  # both lookups scan a loose document's keys
+            if d.keys is None:
+                d.keys = gram_keys(d.tokens, g)
         cur = self._docs.get(uri) if uri is not None else None
         current = cur.slot if cur is not None else -1
         if native.available():  # one C++ call, the same candidates
             if self._native is None:
                 self._native = native.NativeLookup()
-            for d in loose:
-                if d.keys is None:
-                    d.keys = gram_keys(d.tokens, g)
             found = self._native.run(self._segment, [(d, tier_of(d)) for d in loose], key,
                                      tail, g, max_n, k, b, min_n, current)  # fmt: skip
             return [Candidate(tokens, count / reads, count, n, SOURCES[tier], d.uri)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codespec.ngram_index.segment import SEP, Doc, Segment, gram_keys
+from codespec.ngram_index.segment import SEP, Doc, Segment
 
 SOURCES = ("document", "open", "workspace")  # the tiers, best first
 OCCURRENCES_READ = 64  # per tier
@@ -122,12 +122,11 @@ def segment_hits(
 def loose_hits(
     docs: Iterable[Doc], key: int, suffix: np.ndarray, g: int, max_n: int, tier_of: Callable
 ) -> list[Hits]:
-    """Each loose document's occurrences of ``key`` (a scan of its keys, computed here when
-    the document has none yet)."""
+    """Each loose document's occurrences of ``key`` (a scan of its keys, which the index
+    made)."""
     out = []
     for d in docs:
-        if d.keys is None:
-            d.keys = gram_keys(d.tokens, g)
+        assert d.keys is not None
         ends = np.flatnonzero(d.keys == key)
         ends = ends[ends + 1 < d.tokens.shape[0]]
         if ends.shape[0]:
