@@ -202,6 +202,29 @@ def test_a_steps_taps_are_those_of_the_rows_it_kept():
     assert torch.equal(slots.prompt_hidden(8)[6:8], chain[:2])
 
 
+def test_a_warm_up_keeps_the_taps_the_last_request_read(engine):
+    """A warm-up feeds the prompt with the taps the last request kept (an EAGLE head reads
+    them), so the next request like it re-feeds only its last token and its proposer gets
+    the taps a cold prefill gives. (Before, a warm-up kept none, and a request with taps
+    re-fed every warmed token.)"""
+    a = engine.encode("import re\n\n\ndef words(text):\n    return re.findall(")
+    b = a + engine.encode("r'\\w+', text)\n\n\ndef lines(text):\n    return text.split(")
+    engine.reset_cache()
+    cold = _TapRecorder()
+    engine.generate(b, GenParams(max_tokens=3), cold)
+    engine.reset_cache()
+    engine.generate(a, GenParams(max_tokens=3), _TapRecorder())
+    assert engine.warm_taps == _TapRecorder.taps
+    assert engine.warm(b, lambda: False, chunk=8) == len(b) - 1
+    warm = _TapRecorder()
+    _, stats = engine.generate(b, GenParams(max_tokens=3), warm)
+    assert stats.cached_tokens == len(b) - 1
+    assert torch.allclose(warm.prompt_hidden, cold.prompt_hidden, atol=1e-4)
+    engine.generate(a, GenParams(max_tokens=3))  # no taps: the next warm-up keeps none
+    assert engine.warm_taps == ()
+    engine.reset_cache()
+
+
 def test_cache_slots_keep_two_documents_warm(engine):
     """Alternating between two unrelated prompts reuses each one's own cached prefix."""
     a = engine.encode("import json\n\n\ndef load(path):\n    with open(path) as fh:\n")

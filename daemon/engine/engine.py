@@ -198,6 +198,9 @@ class Engine(ModelTarget):
         self.fim: FimTokens | None = find_fim(vocab)
         self.stop_ids = stop_token_ids(vocab, self.tokenizer.eos_token_id, self.fim)
         self.slots = CacheSlots(self.runner, max_slots)
+        # the taps the last request's prefill kept (its proposers read them): a warm-up
+        # keeps them too, else that request's successor re-feeds every warmed token
+        self.warm_taps: tuple[int, ...] = ()
         self.lock = threading.Lock()
 
     # -- the tokenizer, beside the model (the decode loop never uses it) -------------------
@@ -233,6 +236,7 @@ class Engine(ModelTarget):
         """Feed ``prompt`` after its longest cached prefix: ``(last row's logits (1, V),
         prompt tokens reused)``. With ``taps``, every prompt position's tapped hidden
         states end up in :meth:`prompt_hidden` (reused positions included)."""
+        self.warm_taps = taps
         self.slots.pick(prompt)
         common = self.slots.reusable(prompt, taps)
         self.runner.truncate(common)
@@ -248,17 +252,20 @@ class Engine(ModelTarget):
     def warm(self, prompt: list[int], yield_to: Callable[[], bool], chunk: int = 128) -> int:
         """Prefill ``prompt`` but its last token into its cache slot ahead of a request,
         ``chunk`` tokens at a time, stopping early when ``yield_to()`` says a request
-        waits (what was fed stays cached). Returns the prompt tokens now cached."""
+        waits (what was fed stays cached). Returns the prompt tokens now cached. The
+        positions fed keep :attr:`warm_taps`, the taps the last request kept, so a request
+        like it reuses them (one with taps reuses only positions that have them)."""
+        taps = self.warm_taps
         self.slots.pick(prompt)
-        common = self.slots.reusable(prompt, ())
+        common = self.slots.reusable(prompt, taps)
         self.runner.truncate(common)
         self.slots.record_prompt(prompt[:common], common, None)  # even if nothing is fed
         pos, end = common, len(prompt) - 1
         while pos < end and not yield_to():
             n = min(chunk, end - pos)
-            self.runner.forward(prompt[pos : pos + n], last_only=True)
+            out = self.runner.forward(prompt[pos : pos + n], taps=taps, last_only=True)
+            self.slots.record_prompt(prompt[: pos + n], pos, out.hidden if taps else None)
             pos += n
-            self.slots.record_prompt(prompt[:pos], common, None)
         return pos
 
     def verify_step(

@@ -45,12 +45,14 @@ class SocketInUse(RuntimeError):
 
 def _preload(engine: Any, speculation: str) -> None:
     """Build ``speculation``'s proposers once (what they load is kept per model: the
-    EAGLE head's runner). Whatever fails is logged and left for a request to report: the
-    daemon starts without it."""
+    EAGLE head's runner), and warm prompts with the taps they read, as their requests
+    will. Whatever fails is logged and left for a request to report: the daemon starts
+    without it."""
     from codespec.speculators.registry import make_proposer
 
     try:
-        make_proposer(speculation, engine)
+        proposer = make_proposer(speculation, engine)
+        engine.warm_taps = tuple(getattr(proposer, "taps", ()) or ())
     except (LookupError, ValueError, ImportError) as exc:  # no weights, weights that do not fit
         log.info("speculation %s: %s", speculation, exc)
     except Exception as exc:  # anything else a proposer's loading raises
