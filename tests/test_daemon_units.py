@@ -361,3 +361,23 @@ def test_workspace_changes_wait_for_each_other(tmp_path):
             assert ws.flushed.wait_for(lambda: ws.flushes >= 1, 10)
     finally:
         ws.close()
+
+
+def test_the_daemon_builds_the_index_lookup_library_before_the_first_request(
+    engine, tmp_path, monkeypatch
+):
+    """With a fresh kernel cache the index's C++ lookup is compiled while the daemon
+    starts, not inside the first completion (it added ~0.5 s to it)."""
+    from codespec.ngram_index import native
+    from conftest import ServerThread, daemon_config
+
+    if native._LIB.library() is None:
+        pytest.skip("no C++ compiler here: the index looks up with numpy")
+    kernels = tmp_path / "kernels"
+    monkeypatch.setenv("CODESPEC_KERNEL_DIR", str(kernels))
+    monkeypatch.setattr(native._LIB, "_loaded", False)  # as in a new process: built on use
+    server = ServerThread(daemon_config(tmp_path), engine)
+    try:
+        assert [p.name.split("-")[0] for p in kernels.glob("*.so")] == ["ngram_lookup"]
+    finally:
+        server.stop()

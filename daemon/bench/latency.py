@@ -38,6 +38,7 @@ from typing import Any
 
 from codespec.daemon.client import Client
 from codespec.daemon.engine.models import models_root
+from codespec.native import kernel_dir
 
 DEFAULT_FILES = [
     Path(os.__file__).parent / "textwrap.py",
@@ -59,6 +60,9 @@ def start_daemon(threads: int, extra: list[str]) -> tuple[subprocess.Popen, str,
     sock = os.path.join(tmp, "d.sock")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), XDG_CACHE_HOME=tmp, CODESPEC_SOCKET=sock)
     env.setdefault("CODESPEC_MODELS", str(models_root()))  # the cached model, not a new fetch
+    # the kernels built here, not compiled again into the fresh state dir (a first lookup
+    # compiling the index's library was ~0.5 s of the first completion)
+    env.setdefault("CODESPEC_KERNEL_DIR", str(kernel_dir()))
     proc = subprocess.Popen(
         [sys.executable, "-m", "codespec.daemon.cli", "serve", "--socket", sock, *extra],
         env=env,

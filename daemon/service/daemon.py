@@ -126,6 +126,11 @@ class Server:
         # with the default model) loads now and not inside the first completion
         await asyncio.to_thread(_preload, self.engine, self.config.speculation.default)
         self.index = self._load_index()
+        from codespec.ngram_index import native as index_native
+
+        # the index's C++ lookup built (or loaded) now: a fresh kernel cache took ~0.5 s
+        # to compile it inside the first completion
+        await asyncio.to_thread(index_native.available)
         self.scheduler = Scheduler(
             self.engine,
             LockedIndex(self.index, self._index_lock),
