@@ -308,3 +308,44 @@ def test_an_edit_items_drafts_get_the_daemons_edit_budget():
     assert draft_budget("auto", edit, 2 * EDIT_DRAFT) == 2 * EDIT_DRAFT
     assert draft_budget("ngram", completion, 16) == 16
     assert draft_budget("ngram@8", edit, 16) == 8
+
+
+def test_latency_typist_retypes_a_line_presses_enter_and_leaves_the_text_as_it_was():
+    """A retyped spot: the line emptied (its arrival's kind), typed back a character per
+    keystroke, then Enter at its end (``newline``: a completion on the fresh line, indented
+    like it) and the new line taken away; the document ends as it began. The spots go two
+    at a time file by file, so a run has jumps and file switches alike."""
+    from codespec.daemon.bench.latency import Spot, Typist, spots
+
+    text = "def f(x):\n    total = x + 1\n    return total\n"
+
+    class Editor:
+        def __init__(self):
+            self.doc, self.asked = text, []
+
+        def request(self, method, params, on_delta=None):
+            if method == "change":
+                lines = self.doc.splitlines(keepends=True)
+                (ch,) = params["changes"]
+                a, b = ch["range"]["start"], ch["range"]["end"]
+                off = lambda p: sum(map(len, lines[: p["line"]])) + p["character"]  # noqa: E731
+                self.doc = self.doc[: off(a)] + ch["text"] + self.doc[off(b) :]
+            elif method == "complete":
+                line = self.doc.splitlines()[params["position"]["line"]]
+                self.asked.append((line, params["position"]["character"]))
+            return {}
+
+    ed = Editor()
+    t = Typist(ed, [text], "auto", 0.0)
+    t.retype(Spot(0, 1, "    total = x + 1"), "jump")
+    assert ed.doc == text
+    assert len(t.final["jump"]) == 1 and len(t.final["newline"]) == 1
+    assert len(t.final["typing"]) == 13  # the line's 13 characters after its indent
+    assert ed.asked[0] == ("    ", 4) and ed.asked[-1] == ("    ", 4)  # emptied; Enter
+    assert ed.asked[-2] == ("    total = x + 1", 17)
+
+    fa = "\n".join(f"def a{i}(x):\n    '''doc'''\n    value = x * {i} + 100\n" for i in range(8))
+    order = [(s.file, s.line) for s in spots([fa, fa.replace("value", "other")], 4)]
+    files = [f for f, _ in order]
+    assert files == [0, 0, 1, 1, 0, 0, 1, 1, 0] and order[0] == order[-1]
+    assert len(set(order)) == 8

@@ -3,12 +3,12 @@
 Owns the daemon benchmark: it starts ``codespec serve`` as a subprocess (or
 uses ``--socket`` of a running one), opens real source files and
 
-- latency: replays typing at real spots of them (a body line emptied, then
-  typed back one character per keystroke at the typist's pace; the spots jump
-  to another function and to another file), a single-line ``complete`` of up to
-  16 tokens after each keystroke, streamed; p50 / p99 of the time to the first
-  streamed piece (the first ghost-text line) and to the final result, per kind
-  of keystroke;
+- latency: replays typing at real spots of them (a body line emptied, typed
+  back one character per keystroke at the typist's pace, then Enter at its end
+  for a new line; the spots jump to another function and to another file), a
+  single-line ``complete`` of up to 16 tokens after each keystroke, streamed;
+  p50 / p99 of the time to the first streamed piece (the first ghost-text line)
+  and to the final result, per kind of keystroke;
 - throughput: 1, 4 and 8 concurrent clients, each on its own copy of the file,
   each asking multi-line completions, speculation auto vs off; tokens/s over
   the wall-clock time of each round, rounds alternating which method goes first
@@ -92,9 +92,10 @@ class Spot:
     text: str
 
 
-def spots(texts: list[str], per_file: int = 2) -> list[Spot]:
-    """Body lines of functions far apart in each file, visited A1, A2 (another function:
-    a jump), B1 (another file), B2, then A1 again (back to the first file)."""
+def spots(texts: list[str], per_file: int = 4) -> list[Spot]:
+    """Body lines of ``per_file`` functions far apart in each file, visited two at a
+    time file by file: A1, A2 (another function: a jump), B1 (another file), B2, A3, A4,
+    B3, B4 ..., then A1 again (back to the first spot)."""
     out: list[list[Spot]] = []
     for f, text in enumerate(texts):
         lines = text.splitlines()
@@ -112,7 +113,9 @@ def spots(texts: list[str], per_file: int = 2) -> list[Spot]:
                     break
         step = max(1, len(body) // per_file)
         out.append(body[step // 2 :: step][:per_file])
-    order = [s for group in out for s in group]
+    pairs = [[group[i : i + 2] for i in range(0, len(group), 2)] for group in out]
+    order = [s for turn in itertools.zip_longest(*pairs, fillvalue=[]) for two in turn
+             for s in two]  # fmt: skip
     return [*order, order[0]] if order else order
 
 
@@ -157,7 +160,9 @@ class Typist:
         time.sleep(max(0.0, self.pause_s - (t1 - t0)))  # the typist's own pace
 
     def retype(self, spot: Spot, kind: str) -> None:
-        """Empty the line (the cursor lands on it: a new line), then type it back."""
+        """Empty the line (``kind``: how the cursor got there), type it back, then press
+        Enter at its end (a ``newline``, the fresh line indented like it) and take the
+        new line away again."""
         f, n, text = spot.file, spot.line, spot.text
         indent = len(text) - len(text.lstrip())
         self.change(f, {"line": n, "character": 0}, {"line": n, "character": len(text)},
@@ -169,20 +174,25 @@ class Typist:
             self.complete(f, n, col + 1, "typing")
         rest = {"line": n, "character": min(len(text), indent + KEYSTROKES_PER_LINE)}
         self.change(f, rest, rest, text[rest["character"] :])  # the line as it was
+        end = {"line": n, "character": len(text)}
+        self.change(f, end, end, "\n" + text[:indent])
+        self.complete(f, n + 1, indent, "newline")
+        self.change(f, end, {"line": n + 1, "character": indent}, "")
 
 
 def typing_latency(
-    sock: str, texts: list[str], speculation: str | None, pause_s: float
+    sock: str, texts: list[str], speculation: str | None, pause_s: float, per_file: int = 4
 ) -> dict[str, dict[str, float]]:
     """Replay typing at real spots (see :func:`spots`): per kind of keystroke —
-    ``newline`` (the first spot), ``jump`` (another function of the same file),
-    ``file`` (another file), ``typing`` (characters) — and ``all``, the time to the
-    first streamed piece (the first ghost-text line) and to the final result."""
+    ``open`` (the first spot, right after the files are opened), ``jump`` (another
+    function of the same file), ``file`` (another file), ``typing`` (characters),
+    ``newline`` (Enter at the end of a line) — and ``all``, the time to the first
+    streamed piece (the first ghost-text line) and to the final result."""
     with Client(sock) as c:
         t = Typist(c, texts, speculation, pause_s)
         prev = None
-        for spot in spots(texts):
-            kind = ("newline" if prev is None else
+        for spot in spots(texts, per_file):
+            kind = ("open" if prev is None else
                     "file" if spot.file != prev.file else "jump")  # fmt: skip
             t.retype(spot, kind)
             prev = spot
@@ -319,7 +329,9 @@ def compare_configs(
         for name, path in zip(names, paths, strict=True):
             procs[name] = start_daemon(args.threads, [*extra, "--config", str(path)])
         for name in ab_order(names, args.rounds):
-            runs[name].append(typing_latency(procs[name][1], texts, None, args.pause_ms / 1000))
+            runs[name].append(
+                typing_latency(procs[name][1], texts, None, args.pause_ms / 1000, args.spots)
+            )
         with Client(procs[names[0]][1]) as c:
             status = c.request("stats")
     finally:
@@ -339,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--pause-ms", type=float, default=150.0,
                    help="the typist's pace: time from one keystroke to the next")  # fmt: skip
+    p.add_argument("--spots", type=int, default=4,
+                   help="lines retyped in each file (functions far apart)")  # fmt: skip
     p.add_argument("--clients", default="1,4,8", help="concurrent clients for throughput")
     p.add_argument("--per-client", type=int, default=3, help="completions per client")
     p.add_argument(
@@ -370,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(30)
             proc, sock, _ = (None, args.socket, "") if args.socket else start_daemon(
                 args.threads, extra)  # fmt: skip
-            lat[spec] = typing_latency(sock, texts, spec, args.pause_ms / 1000)
+            lat[spec] = typing_latency(sock, texts, spec, args.pause_ms / 1000, args.spots)
         for n in [int(x) for x in args.clients.split(",") if x]:
             rounds: dict[str, list[dict]] = {"off": [], "auto": []}
             for r in range(args.rounds):
