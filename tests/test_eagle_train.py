@@ -23,6 +23,7 @@ def test_training_steps_lower_the_loss():
     target = trainer.Target.__new__(trainer.Target)
     target.model, target.config, target.num_layers = model, model.config, 2
     target.runner = None  # transformers' path
+    target.device = torch.device("cpu")
     cfg = train_eagle.EagleTrainConfig(ttt_steps=3, decay=0.8)
     head = EagleHead(
         EagleConfig.for_target(model.config, draft_vocab_size=48, taps=(0, 1, 2)),
@@ -51,6 +52,7 @@ def test_last_layer_tap_is_before_the_final_norm():
     target = trainer.Target.__new__(trainer.Target)
     target.model, target.config, target.num_layers = model, model.config, 2
     target.runner = None  # transformers' path
+    target.device = torch.device("cpu")
     x = torch.randint(0, 96, (1, 9))
     taps, logits = target.run(x, (0, 1, 2))
     head = model.lm_head(model.model.norm(taps[:, :, 2]))
@@ -87,8 +89,14 @@ def test_target_from_a_gguf_runs_on_its_blocks(tmp_path):
         trainer.Target(folder, "onnx")
 
 
-def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys, default_model_dir):
-    """A tiny model with the default model's tokenizer (no FIM tokens: plain windows)."""
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys, default_model_dir, device):
+    """A tiny model with the default model's tokenizer (no FIM tokens: plain windows); on
+    a GPU the target and the head train there (``--device cuda``) and the head comes back
+    the same way."""
     from transformers import AutoModelForCausalLM
 
     model_dir = tiny_model_dir(
@@ -126,6 +134,8 @@ def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys, default_m
         "2",
         "--checkpoint-every",
         "2",
+        "--device",
+        device,
     ]
     assert train_eagle.main([*args, "--steps", "3"]) == 0
     head = load_head(out, model.get_input_embeddings().weight)
@@ -138,6 +148,17 @@ def test_tiny_run_writes_a_loadable_head_and_resumes(tmp_path, capsys, default_m
     assert train_eagle.main([*args, "--steps", "4", "--resume"]) == 0
     assert "resumed at step 3" in capsys.readouterr().out
     assert json.loads((out / "training.json").read_text())["steps"] == 4
+
+
+def test_a_device_that_is_not_there_is_an_error(tmp_path, capsys):
+    """``--device`` names cpu, cuda or auto; cuda where torch sees no GPU is an error that
+    says so (auto then trains on the CPU)."""
+    assert train_eagle.main(["--device", "tpu", "--out", str(tmp_path)]) == 1
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+    assert trainer.training_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert train_eagle.main(["--device", "cuda", "--out", str(tmp_path)]) == 1
+        assert "sees no CUDA device" in capsys.readouterr().err
 
 
 def test_bad_data_folder_is_an_error(tmp_path, capsys):

@@ -65,6 +65,7 @@ class EagleTrainConfig:
     intermediate_size: int = 0  # 0: the target's
     fim_rate: float = 0.5
     target_runner: str = "auto"  # auto: the GGUF blocks the daemon runs, when there are any
+    device: str = "cpu"  # cpu, cuda or auto: where the target and the head train
     seed: int = 0
     threads: int = 1
     checkpoint_every: int = 25
@@ -135,7 +136,7 @@ def ttt_loss(
     loss = logits.new_zeros(())
     weight_sum = 0.0
     accs: list[float] = []
-    correct = torch.ones((x.shape[0], t), dtype=torch.bool)
+    correct = torch.ones((x.shape[0], t), dtype=torch.bool, device=x.device)
     for k, out in enumerate(outs):
         n = t - k  # positions whose target row t + 1 + k exists
         logp = target_logp[:, 1 + k : 1 + k + n]
@@ -157,7 +158,7 @@ def heldout_accuracy(
     head.eval()
     sums = [0.0] * cfg.ttt_steps
     for w in windows:
-        x = torch.tensor([w])
+        x = torch.tensor([w], device=target.device)
         taps, logits = target.run(x, head.cfg.taps)
         _, accs = ttt_loss(head, taps, logits, x, cfg)
         sums = [a + b for a, b in zip(sums, accs, strict=True)]
@@ -241,12 +242,13 @@ def build_head(target: Target, cfg: EagleTrainConfig, tok: Any, texts: list[str]
     ids, coverage = draft_vocabulary(tok, texts, size, vocab, cfg.seed)
     head.set_draft_vocab(ids)
     head.init_lm_head_from(target.lm_head)
-    return head, coverage
+    return head.to(target.device), coverage
 
 
 def _eagle_step(
     head: EagleHead, target: Target, x: torch.Tensor, cfg: EagleTrainConfig
 ) -> tuple[torch.Tensor, list[float]]:
+    x = x.to(target.device)
     taps, logits = target.run(x, head.cfg.taps)
     loss, accs = ttt_loss(head, taps, logits, x, cfg)
     return loss, accs[:4]

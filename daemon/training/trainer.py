@@ -90,6 +90,18 @@ def sample_builder(tok: Any, texts: list[str], cfg: Any) -> Any:
 # -- the target ------------------------------------------------------------------------
 
 
+def training_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``auto`` (cuda where torch sees a device) as a device; a
+    ValueError for another name, or for cuda where there is none."""
+    if name not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"unknown device {name!r} (cpu, cuda or auto)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA device")
+    return torch.device(name)
+
+
 class Target:
     """The frozen target: taps and logits of a batch, no gradients.
 
@@ -99,22 +111,32 @@ class Target:
     transformers' 6.9 s on this project's 2-core machine), else transformers in fp32;
     ``hf`` always transformers. The embedding and LM head the head starts from are
     transformers' fp32 weights either way.
+
+    ``device``: ``cpu``, ``cuda`` (an error where torch sees no CUDA device) or ``auto``
+    (cuda where there is one). Off the CPU the target is transformers' (the lean stack is
+    the CPU's), and the batches, the taps and the logits live on that device.
     """
 
-    def __init__(self, model_path: str, runner: str = "auto", max_length: int = 0) -> None:
+    def __init__(
+        self, model_path: str, runner: str = "auto", max_length: int = 0, device: str = "cpu"
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         if runner not in ("auto", "hf"):
             raise ValueError(f"unknown target runner {runner!r} (auto or hf)")
+        self.device = training_device(device)
+        if self.device.type == "cuda":  # the head learns from states within TF32's rounding
+            torch.backends.cuda.matmul.allow_tf32 = True
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, local_files_only=True, dtype=torch.float32
         ).eval()
+        self.model.to(self.device)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.config = self.model.config
         self.num_layers = int(self.config.num_hidden_layers)
         self.runner: Any = None
-        if runner == "auto":
+        if runner == "auto" and self.device.type == "cpu":
             from codespec.daemon.engine import lean
 
             got = lean.from_model_folder(model_path, max_length or None)
@@ -123,7 +145,9 @@ class Target:
     @property
     def kind(self) -> str:
         """What computes the states, in words."""
-        return "the GGUF blocks (lean stack)" if self.runner is not None else "transformers fp32"
+        if self.runner is not None:
+            return "the GGUF blocks (lean stack)"
+        return "transformers fp32" + ("" if self.device.type == "cpu" else f" on {self.device}")
 
     @property
     def embed(self) -> torch.Tensor:
@@ -149,6 +173,7 @@ class Target:
                 logits.append(out.logits)
             self.runner.reset()
             return torch.stack(states).float(), torch.stack(logits).float()
+        x = x.to(self.device)
         last: list[torch.Tensor] = []
         hook = None
         if self.num_layers in taps:
@@ -276,7 +301,8 @@ def prepare(
     model_path = resolve_model_path(model)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = Target(model_path, getattr(cfg, "target_runner", "auto"), cfg.seq_len + 1)
+    runner = getattr(cfg, "target_runner", "auto")
+    target = Target(model_path, runner, cfg.seq_len + 1, getattr(cfg, "device", "cpu"))
     return model_path, out, load_tokenizer(model_path), load_texts(data), target
 
 
