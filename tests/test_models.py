@@ -81,6 +81,20 @@ def test_gguf_import_is_cached_by_hash(gguf_dir, tmp_path):
     assert listed.path == first and listed.gguf == path.resolve()
 
 
+def test_a_gguf_converted_under_another_name_is_not_converted_again(gguf_dir, tmp_path):
+    """The folder's name need not be the GGUF's own: the default model's folder is named
+    for its package, and importing that model's GGUF (what `codespec model import` of the
+    fetched file does) gives that folder instead of a second conversion of 360 MB."""
+    path = write_gguf(gguf_dir / "renamed.gguf", "llama", "Q8_0")
+    first = models.import_gguf(path, tmp_path)
+    fetched = first.with_name("Packaged-Name-" + first.name.rsplit("-", 1)[1])
+    first.rename(fetched)
+    stamp = (fetched / "model.safetensors").stat().st_mtime_ns
+    assert models.import_gguf(path, tmp_path) == fetched
+    assert (fetched / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [m.path for m in models.list_models(tmp_path)] == [fetched]
+
+
 def test_a_damaged_cached_model_is_rebuilt(gguf_dir, tmp_path):
     path = write_gguf(gguf_dir / "damaged.gguf", "qwen2", "Q4_1")
     folder = models.import_gguf(path, tmp_path)

