@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh [WORKLOAD_DIR] — the GPU path's check, for a machine with CUDA.
 #
-# Installs what it needs into .venv (a CUDA build of torch unless one is already
-# there), fetches the default model, then on the GPU, for each workload
+# Installs what it needs and finds the default model as scripts/gpu_env.sh says (a
+# CUDA build of torch into .venv unless python3 has one; offline too, with wheels in
+# .whl/ and the GGUF carried in pieces in GGUF_PARTS), then on the GPU, for each workload
 # (completion, edit, novel; made by `codespec bench make-workloads` into
 # WORKLOAD_DIR when it holds none): every method side by side (off, ngram,
 # lookahead, auto, and eagle and auto-eagle when the model has a head), their per-token ms and
@@ -18,33 +19,12 @@ WL=${1:-/tmp/wl}
 LIMIT=${LIMIT:-8}
 MAX_TOKENS=${MAX_TOKENS:-128}
 DEVICE=${DEVICE:-cuda}
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-
-[ -d .venv ] || python3 -m venv .venv
-# shellcheck disable=SC1091
-. .venv/bin/activate
-if ! python -c "import torch" 2>/dev/null || { [ "$DEVICE" = cuda ] &&
-  ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; }; then
-  pip install -q torch==2.13.0  # on a CUDA machine the index's default build carries CUDA
-fi
-pip install -q -e .
-DEVICE=$DEVICE python - <<'EOF'
-import os
-import sys
-import torch
-if os.environ["DEVICE"] != "cuda":
-    print("gpu_check: on %s, not a GPU (torch %s)" % (os.environ["DEVICE"], torch.__version__))
-elif not torch.cuda.is_available():
-    sys.exit("gpu_check: torch sees no CUDA device (torch %s)" % torch.__version__)
-else:
-    print("gpu_check: %s, torch %s, CUDA %s" % (torch.cuda.get_device_name(0),
-                                                 torch.__version__, torch.version.cuda))
-EOF
-codespec model fetch
-[ -f "$WL/novel.jsonl" ] || codespec bench make-workloads --out "$WL"
+# shellcheck source=scripts/gpu_env.sh
+. scripts/gpu_env.sh
+[ -f "$WL/novel.jsonl" ] || "$PY" -m codespec.daemon.cli bench make-workloads --out "$WL"
 
 methods=off,ngram,lookahead,auto
-if DEVICE=$DEVICE python - <<'EOF' 2>/dev/null; then
+if DEVICE=$DEVICE "$PY" - <<'EOF' 2>/dev/null; then
 import os
 import sys
 from codespec.daemon.engine.engine import Engine
@@ -60,9 +40,9 @@ fi
 status=0
 for kind in completion edit novel; do
   out=$(mktemp)
-  codespec bench "$WL/$kind.jsonl" --methods "$methods" --limit "$LIMIT" \
+  "$PY" -m codespec.daemon.cli bench "$WL/$kind.jsonl" --methods "$methods" --limit "$LIMIT" \
     --max-tokens "$MAX_TOKENS" --device "$DEVICE" | tee "$out"
-  python - "$out" "$kind" <<'EOF' || status=1
+  "$PY" - "$out" "$kind" <<'EOF' || status=1
 import json
 import sys
 path, kind = sys.argv[1], sys.argv[2]

@@ -8,6 +8,7 @@ fast; the real default (fetched once per machine) is checked by its sums.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -93,6 +94,24 @@ def test_a_gguf_converted_under_another_name_is_not_converted_again(gguf_dir, tm
     assert models.import_gguf(path, tmp_path) == fetched
     assert (fetched / "model.safetensors").stat().st_mtime_ns == stamp
     assert [m.path for m in models.list_models(tmp_path)] == [fetched]
+
+
+def test_the_default_models_gguf_imported_is_the_default_model(gguf_dir, tmp_path, monkeypatch):
+    """Where no package index can be reached, the default model's GGUF carried in and
+    imported becomes the default model's folder (a copy: the file stays where it was), and
+    the default is found there without a fetch."""
+    path = write_gguf(gguf_dir / "default.gguf", "llama", "Q8_0")
+    spec = dataclasses.replace(models.DEFAULT, gguf_sha256=_sha(path))
+    monkeypatch.setattr(models, "DEFAULT", spec)
+
+    def no_fetch(*args, **kwargs):
+        raise AssertionError("fetched")
+
+    monkeypatch.setattr(models, "_download", no_fetch)
+    folder = models.import_gguf(path, tmp_path)
+    assert folder.name.startswith(spec.name + "-") and (folder / models.GGUF_NAME).is_file()
+    assert path.is_file()
+    assert models.default_model(tmp_path, spec) == folder
 
 
 def test_a_damaged_cached_model_is_rebuilt(gguf_dir, tmp_path):

@@ -317,7 +317,9 @@ def check_gguf(path: Path) -> dict[str, Any]:
 
 def import_gguf(path: str | os.PathLike, root: Path | None = None) -> Path:
     """The cached HF folder made from the GGUF file ``path`` (converted on first use,
-    keyed by the file's sha256: the default model's GGUF gives the fetched folder)."""
+    keyed by the file's sha256: the default model's GGUF gives the fetched folder). The
+    default model's GGUF, however it came (a machine that reaches no package index), is
+    copied into the default model's folder, so the default is then found without a fetch."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ModelError(f"model file {path} does not exist")
@@ -332,6 +334,11 @@ def import_gguf(path: str | os.PathLike, root: Path | None = None) -> Path:
         folder = _folder_with_sha(root, sha)
         if folder is not None:
             return folder
+        if sha == DEFAULT.gguf_sha256:
+            with tempfile.TemporaryDirectory(prefix=".import-", dir=root) as tmp:
+                copy = Path(tmp) / GGUF_NAME
+                shutil.copyfile(path, copy)
+                return _convert(root, copy, DEFAULT.name, sha, source=str(path), keep_gguf=True)
         return _convert(root, path, name, sha, source=str(path), keep_gguf=False)
 
 
