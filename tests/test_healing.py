@@ -33,6 +33,25 @@ def test_token_texts_keep_leading_spaces_and_skip_specials(engine, texts):
     assert space_if in texts.by_first[" "]
 
 
+def test_allowed_ids_are_those_that_start_with_the_rest_or_are_a_prefix_of_it(engine, texts):
+    """The bisection over the sorted texts gives what a scan of every token would: the
+    ids whose text starts with the rest or is a proper prefix of it. Rests: pieces of
+    tokens, tokens, two tokens end to end, spaces and indents."""
+    import random
+
+    def scan(rest: str) -> list[int]:
+        return [i for i, t in enumerate(texts.text) if t and (t.startswith(rest) or
+                rest.startswith(t))]  # fmt: skip
+
+    rng = random.Random(5)
+    pieces = [t for t in texts.text if t]
+    rests = [" ", "  ", "\n", "\n        ", " self._", "é", "\t", "(", "zzzzq"]
+    rests += [rng.choice(pieces)[: rng.randint(1, 6)] for _ in range(150)]
+    rests += [rng.choice(pieces) + rng.choice(pieces) for _ in range(50)]
+    for rest in rests:
+        assert sorted(texts.allowed(rest).tolist()) == scan(rest), rest
+
+
 def test_heal_prompt_backs_off_the_last_token(engine):
     ids = ids_of(engine, "import re\n\nfrom ")
     healed, text = heal_prompt(engine, ids)

@@ -24,6 +24,7 @@ Must not touch: the engine's loop, prompts, documents.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from collections import defaultdict
 from collections.abc import Sequence
@@ -39,7 +40,10 @@ class TokenTexts:
 
     ``text[i]`` is ``None`` for special tokens and for byte pieces that are not
     whole UTF-8 characters (they never take part in healing). ``by_first`` maps a
-    first character to the ids whose text starts with it.
+    first character to the ids whose text starts with it. The texts are also kept
+    sorted (with their ids), so the ids whose text starts with some text are one range
+    found by bisection: a loop over ``by_first[" "]`` (32k of SmolLM2's 49k tokens)
+    took 7-11 ms of each completion whose cursor follows a word.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
@@ -62,6 +66,12 @@ class TokenTexts:
                 continue
             self.text[i] = piece
             self.by_first[piece[0]].append(i)
+        order = sorted((t, i) for i, t in enumerate(self.text) if t is not None)
+        self._sorted = [t for t, _ in order]
+        self._sorted_ids = torch.tensor([i for _, i in order], dtype=torch.long)
+        self._ids_of: dict[str, list[int]] = defaultdict(list)
+        for t, i in order:
+            self._ids_of[t].append(i)
 
     @classmethod
     def of(cls, tokenizer: Any, vocab_size: int) -> TokenTexts:
@@ -72,15 +82,18 @@ class TokenTexts:
             _TEXTS[tokenizer] = table
         return table
 
-    def allowed(self, rest: str) -> list[int]:
-        """Ids whose text starts with ``rest`` or is a proper prefix of it."""
-        out = []
-        for i in self.by_first.get(rest[:1], ()):
-            t = self.text[i]
-            assert t is not None
-            if t.startswith(rest) or rest.startswith(t):
-                out.append(i)
-        return out
+    def allowed(self, rest: str) -> torch.Tensor:
+        """Ids whose text starts with ``rest`` or is a proper prefix of it (in no order).
+
+        Cutting sorted texts to ``len(rest)`` characters keeps them sorted, so the texts
+        that start with ``rest`` are the range where the cut text equals it."""
+        if not rest:
+            return torch.empty(0, dtype=torch.long)
+        n = len(rest)
+        lo = bisect.bisect_left(self._sorted, rest, key=lambda t: t[:n])
+        hi = bisect.bisect_right(self._sorted, rest, key=lambda t: t[:n])
+        prefixes = [i for k in range(1, n) for i in self._ids_of.get(rest[:k], ())]
+        return torch.cat([self._sorted_ids[lo:hi], torch.tensor(prefixes, dtype=torch.long)])
 
 
 class Healing:
