@@ -4,6 +4,7 @@ and finding the daemon processes a test started."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -161,3 +162,12 @@ def eagle_head_for(
             opt.zero_grad()
     save_head(head.eval(), out)
     return out
+
+
+def wait_warmed(client, at_least: int, what: str, timeout: float = 60.0) -> None:
+    """Poll a daemon's stats until it has warmed ``at_least`` prompts (``what``: the event
+    that should have started one, for the failure message)."""
+    deadline = time.monotonic() + timeout
+    while client.request("stats")["requests"]["warmed"] < at_least:
+        assert time.monotonic() < deadline, f"{what} was never warmed"
+        time.sleep(0.02)

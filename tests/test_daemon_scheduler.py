@@ -22,6 +22,7 @@ from codespec.daemon.service.scheduler import (
     Scheduler,
     speculation_policy,
 )
+from helpers import wait_warmed
 
 PROMPT = "import os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"
 
@@ -276,19 +277,14 @@ def test_the_daemon_warms_the_prompt_after_open_and_after_a_pause(daemon):
     with Client(daemon.socket_path) as c:
         before = c.request("stats")["requests"]["warmed"]
         c.request("open", {"uri": "file:///warm.py", "text": text, "version": 1})
-        deadline = time.monotonic() + 30
-        while c.request("stats")["requests"]["warmed"] < before + 1:
-            assert time.monotonic() < deadline, "the open was never warmed"
-            time.sleep(0.02)
+        wait_warmed(c, before + 1, "the open", 30)
         end = {"line": 24, "character": 0}
         r = c.request("complete", {"uri": "file:///warm.py", "position": end, "max_tokens": 2})
         assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
         pos = {"line": 5, "character": 0}  # an edit far above: then a pause
         change = {"range": {"start": pos, "end": pos}, "text": "    y = 2\n"}
         c.request("change", {"uri": "file:///warm.py", "version": 2, "changes": [change]})
-        while c.request("stats")["requests"]["warmed"] < before + 2:
-            assert time.monotonic() < deadline, "the change was never warmed"
-            time.sleep(0.02)
+        wait_warmed(c, before + 2, "the change", 30)
         at = {"line": 6, "character": 0}
         r = c.request("complete", {"uri": "file:///warm.py", "position": at, "max_tokens": 2})
         assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
@@ -322,10 +318,7 @@ def test_a_cold_spot_takes_a_short_window_until_a_pause_warms_the_whole_one(daem
         warmed = c.request("stats")["requests"]["warmed"]
         change = {"range": {"start": spot, "end": spot}, "text": "("}
         c.request("change", {"uri": uri, "version": 2, "changes": [change]})
-        deadline = time.monotonic() + 60
-        while c.request("stats")["requests"]["warmed"] < warmed + 1:
-            assert time.monotonic() < deadline, "the pause was never warmed"
-            time.sleep(0.02)
+        wait_warmed(c, warmed + 1, "the pause")
         wait_idle(daemon.server.scheduler)
         at = {"line": spot["line"], "character": 5}
         r = c.request("complete", {"uri": uri, "position": at, "max_tokens": 2})

@@ -154,12 +154,11 @@ def test_the_first_completion_after_open_reuses_the_warm_up_with_the_heads_taps(
     the daemon's warm-up after an open keeps them, so the first completion re-feeds ~1
     token. (Before, the warm-up kept no taps and that completion re-fed the whole prompt:
     780 ms against off's 344 in ``codespec bench latency``.)"""
-    import time
-
     from codespec.daemon.client import Client
     from codespec.speculators import eagle
     from codespec.speculators.book import forget
     from conftest import ServerThread, daemon_config
+    from helpers import wait_warmed
 
     forget(real_engine)  # a head earlier tests retired is built again, as in a new daemon
     server = ServerThread(daemon_config(tmp_path), real_engine)
@@ -170,10 +169,7 @@ def test_the_first_completion_after_open_reuses_the_warm_up_with_the_heads_taps(
         with Client(server.socket_path) as c:
             before = c.request("stats")["requests"]["warmed"]
             c.request("open", {"uri": "file:///w.py", "text": text, "version": 1})
-            deadline = time.monotonic() + 60
-            while c.request("stats")["requests"]["warmed"] < before + 1:
-                assert time.monotonic() < deadline, "the open was never warmed"
-                time.sleep(0.02)
+            wait_warmed(c, before + 1, "the open")
             end = {"line": 16, "character": 0}
             r = c.request(
                 "complete",

@@ -166,15 +166,22 @@ class _TapRecorder:
         self.step_hidden.append(result.hidden)
 
 
-def test_taps_survive_prefix_reuse(engine):
-    """The prompt's taps after prefix reuse equal those of a cold prefill."""
-    a = engine.encode("import re\n\n\ndef words(text):\n    return re.findall(")
-    b = a + engine.encode("r'\\w+', text)\n\n\ndef lines(text):\n")
+def _cold_taps_then_cache(engine, a, b) -> _TapRecorder:
+    """What a cold prefill of ``b`` gives a proposer that reads taps; then the cache holds
+    ``a``, fed by a request with taps."""
     engine.reset_cache()
     cold = _TapRecorder()
     engine.generate(b, GenParams(max_tokens=3), cold)
     engine.reset_cache()
     engine.generate(a, GenParams(max_tokens=3), _TapRecorder())
+    return cold
+
+
+def test_taps_survive_prefix_reuse(engine):
+    """The prompt's taps after prefix reuse equal those of a cold prefill."""
+    a = engine.encode("import re\n\n\ndef words(text):\n    return re.findall(")
+    b = a + engine.encode("r'\\w+', text)\n\n\ndef lines(text):\n")
+    cold = _cold_taps_then_cache(engine, a, b)
     warm = _TapRecorder()
     _, stats = engine.generate(b, GenParams(max_tokens=3), warm)
     assert stats.cached_tokens > 0
@@ -209,11 +216,7 @@ def test_a_warm_up_keeps_the_taps_the_last_request_read(engine):
     re-fed every warmed token.)"""
     a = engine.encode("import re\n\n\ndef words(text):\n    return re.findall(")
     b = a + engine.encode("r'\\w+', text)\n\n\ndef lines(text):\n    return text.split(")
-    engine.reset_cache()
-    cold = _TapRecorder()
-    engine.generate(b, GenParams(max_tokens=3), cold)
-    engine.reset_cache()
-    engine.generate(a, GenParams(max_tokens=3), _TapRecorder())
+    cold = _cold_taps_then_cache(engine, a, b)
     assert engine.warm_taps == _TapRecorder.taps
     assert engine.warm(b, lambda: False, chunk=8) == len(b) - 1
     warm = _TapRecorder()
