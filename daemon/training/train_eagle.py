@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from codespec.daemon.engine.loading import ModelLoadError
 from codespec.daemon.engine.models import display_name
 from codespec.daemon.training.train_data import SPECIAL_TOKENS
 from codespec.daemon.training.trainer import (
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = EagleTrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
     try:
         return train(cfg, args.model, args.data, args.resume, args.name)
-    except ValueError as exc:
+    except (ValueError, ModelLoadError) as exc:  # bad flags, data, model or device
         print(f"codespec train-eagle: error: {exc}", file=sys.stderr)
         return 1
 

@@ -90,18 +90,6 @@ def sample_builder(tok: Any, texts: list[str], cfg: Any) -> Any:
 # -- the target ------------------------------------------------------------------------
 
 
-def training_device(name: str) -> torch.device:
-    """``cpu``, ``cuda`` or ``auto`` (cuda where torch sees a device) as a device; a
-    ValueError for another name, or for cuda where there is none."""
-    if name not in ("cpu", "cuda", "auto"):
-        raise ValueError(f"unknown device {name!r} (cpu, cuda or auto)")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA device")
-    return torch.device(name)
-
-
 class Target:
     """The frozen target: taps and logits of a batch, no gradients.
 
@@ -113,8 +101,9 @@ class Target:
     transformers' fp32 weights either way.
 
     ``device``: ``cpu``, ``cuda`` (an error where torch sees no CUDA device) or ``auto``
-    (cuda where there is one). Off the CPU the target is transformers' (the lean stack is
-    the CPU's), and the batches, the taps and the logits live on that device.
+    (cuda where there is one), as the engine's ``--device``. Off the CPU the target is
+    transformers' (the lean stack is the CPU's), and the batches, the taps and the logits
+    live on that device.
     """
 
     def __init__(
@@ -124,7 +113,9 @@ class Target:
 
         if runner not in ("auto", "hf"):
             raise ValueError(f"unknown target runner {runner!r} (auto or hf)")
-        self.device = training_device(device)
+        from codespec.daemon.engine.loading import pick_device
+
+        self.device = pick_device(device)
         if self.device.type == "cuda":  # the head learns from states within TF32's rounding
             torch.backends.cuda.matmul.allow_tf32 = True
         self.model = AutoModelForCausalLM.from_pretrained(
