@@ -23,6 +23,7 @@ from codespec.daemon.prompts.fim import fim_prompt
 from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError
 from codespec.daemon.text import healing
 from codespec.daemon.text.healing import heal_prompt
+from codespec.daemon.text.prefix_tokens import prefix_encoder
 from codespec.daemon.text.tracker import TextTracker, region_shape
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
@@ -163,7 +164,7 @@ def complete_prompt(
     if budget < 8:
         raise ProtocolError(BAD_PARAMS, f"max_tokens {max_tokens} leaves no room for a prompt")
     chars = budget * CHARS_PER_TOKEN_CAP
-    prefix_ids = engine.encode(_head_text(text, offset, chars))
+    prefix_ids = prefix_encoder(engine.tokenizer).encode(_head_text(text, offset, chars))
     after = text[offset : offset + chars]
     line_start = text.rfind("\n", 0, offset) + 1
     stops = _next_lines(after)

@@ -1,0 +1,62 @@
+"""The text before a completion's cursor tokenized in two parts: exactly the tokenizer's
+own encoding (random text, real files, typing on a line), and only where that is exact."""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from pathlib import Path
+from types import SimpleNamespace
+
+from codespec.daemon.text.prefix_tokens import MIN_CHARS, PrefixEncoder, prefix_encoder
+
+PIECES = ["a", "Z", "é", "ß", "1", "23", "٣", "'", "'s", "'ll", "s", " ", "  ", "\t", "\n",
+          "\r\n", "\n    ", "\u00a0", "\u2003", ".", "(", ")", "_", "-", "#", "<", "|", ">",
+          "😀", "中文", "x = 1", "  # c", '"', "''"]  # fmt: skip
+
+
+def test_split_encodings_equal_the_tokenizers_own(engine):
+    """Random text from letters, digits, contractions, punctuation, emoji and every kind of
+    space, and stdlib files cut at random cursors: the same ids as one encoding."""
+    enc = PrefixEncoder(engine.tokenizer)
+    assert enc.exact  # SmolLM2's tokenizer: ByteLevel with the GPT-2 regex only
+    rng = random.Random(3)
+    texts = ["".join(rng.choice(PIECES) for _ in range(rng.randint(400, 900))) for _ in range(300)]
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    for f in rng.sample(files, 40):
+        t = f.read_text(encoding="utf-8", errors="replace")
+        texts += [t[: rng.randrange(len(t) + 1)] for _ in range(3)]
+    split = 0
+    for t in texts:
+        split += enc.split(t) > 0
+        assert enc.encode(t) == engine.encode(t)
+    assert split > len(texts) // 3  # the split path really ran
+
+
+def test_typing_on_a_line_reencodes_only_that_line(engine):
+    """While the cursor's line grows, the text before it is one kept encoding."""
+    import textwrap
+
+    text = Path(textwrap.__file__).read_text(encoding="utf-8")
+    end = text.index("\n", len(text) // 2) + 1
+    enc = PrefixEncoder(engine.tokenizer)
+    line = "        width = len(text) + 1"
+    for k in range(1, len(line) + 1):
+        head = text[:end] + line[:k]
+        assert enc.encode(head) == engine.encode(head)
+    assert enc.hits == len(line) - 1  # every keystroke after the first
+
+
+def test_other_tokenizers_and_special_strings_are_encoded_whole(engine):
+    """A tokenizer with another pre-tokenizer, a short text, or text holding an added
+    token's string (split out before the regex): no split."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    other = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    long = "x = 1\n" * (MIN_CHARS // 3)
+    assert PrefixEncoder(SimpleNamespace(backend_tokenizer=other)).split(long) == 0
+    enc = prefix_encoder(engine.tokenizer)
+    assert enc.split(long) > 0
+    assert enc.split(long[: MIN_CHARS // 2]) == 0
+    assert enc.split(long + "<file_sep>\n" + long) == 0
