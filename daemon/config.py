@@ -55,6 +55,7 @@ import msgspec
 from msgspec import Meta
 
 from codespec.daemon.typed import TypedError, convert
+from codespec.native import state_dir
 
 AtLeast1 = Annotated[int, Meta(ge=1)]
 
@@ -172,8 +173,9 @@ def default_socket_path() -> str:
 
 
 def default_state_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "codespec"
+    """The daemon's state directory when the config names none: codespec's
+    (:func:`codespec.native.state_dir`)."""
+    return state_dir()
 
 
 def default_config_path() -> Path:

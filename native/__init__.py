@@ -5,7 +5,9 @@ kernels, :mod:`codespec.daemon.engine.cpu_gemm` and
 compiler, loaded with ``ctypes``, or a one-line reason why not. A package of its own so
 that the index, which must not import the daemon, builds its lookup the same way.
 
-Owns: where builds live (:func:`kernel_dir`; one file per library, named by a hash of its
+Owns: codespec's state directory (:func:`state_dir`: the daemon's saved index, models,
+peers and these builds live under it; here because the index may not import the daemon's
+config), where builds live (:func:`kernel_dir`; one file per library, named by a hash of its
 sources and flags, so an edited source is built anew and an old build is never loaded),
 finding a compiler, the build (written whole or not at all: concurrent builders both end
 with a whole file) and the lazy, thread-safe first load. What a library declares (its
@@ -34,14 +36,19 @@ def compiler() -> str | None:
     return None
 
 
+def state_dir() -> Path:
+    """``$XDG_CACHE_HOME/codespec``, by default ``~/.cache/codespec``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "codespec"
+
+
 def kernel_dir() -> Path:
     """``$CODESPEC_KERNEL_DIR``, else ``kernels`` in the daemon's state dir
     (``$XDG_CACHE_HOME/codespec``, by default ``~/.cache/codespec``)."""
     env = os.environ.get("CODESPEC_KERNEL_DIR")
     if env:
         return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "codespec" / "kernels"
+    return state_dir() / "kernels"
 
 
 class NativeLibrary:
