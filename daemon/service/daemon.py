@@ -34,6 +34,7 @@ from codespec.daemon.service.documents import DocumentStore
 from codespec.daemon.service.handlers import Methods
 from codespec.daemon.service.scheduler import LockedIndex, Scheduler
 from codespec.daemon.service.workspace import Workspace
+from codespec.daemon.text.healing import TokenTexts
 from codespec.speculators.policy import seed_costs
 
 log = logging.getLogger("codespec.daemon")
@@ -131,6 +132,9 @@ class Server:
         # the index's C++ lookup built (or loaded) now: a fresh kernel cache took ~0.5 s
         # to compile it inside the first completion
         await asyncio.to_thread(index_native.available)
+        # token healing's table of every token's text (~0.2 s), built now, not inside the
+        # first completion whose prompt is healed
+        await asyncio.to_thread(TokenTexts.of, self.engine.tokenizer, self.engine.runner.vocab_size)
         self.scheduler = Scheduler(
             self.engine,
             LockedIndex(self.index, self._index_lock),
