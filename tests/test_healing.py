@@ -30,7 +30,7 @@ def test_token_texts_keep_leading_spaces_and_skip_specials(engine, texts):
     assert texts.text[space_if] == " if"
     eos = engine.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert texts.text[eos] is None
-    assert space_if in texts.by_first[" "]
+    assert space_if in texts.allowed(" ").tolist()
 
 
 def test_allowed_ids_are_those_that_start_with_the_rest_or_are_a_prefix_of_it(engine, texts):
