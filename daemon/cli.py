@@ -207,7 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         return serve(config)
     except SocketInUse as exc:
-        raise CliError(f"{exc}; stop it first (codespec status shows it)") from None
+        raise CliError(f"{exc}; stop it first with `codespec stop`") from None
 
 
 def _daemon_client(socket_path: str | None):
@@ -234,6 +234,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"model      {s['model']} ({s['runner']} runner, {s['device']})")
     print(f"cpu kernel {s.get('cpu_kernel', 'off')}")
     print(f"kv slots   {s.get('kv_slots', '?')} (limits.kv_slots)")
+    print(f"pid        {s.get('pid', '?')} (codespec stop ends it)")
     print(f"uptime     {s['uptime_s']} s, {s['connections']} connection(s)")
     print(f"documents  {s['documents']} open")
     idx = s["index"]
@@ -257,6 +258,67 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, state in (pol.get("weights") or {}).items():
         print(f"weights    {name}: {state}")
     return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Ask the daemon to shut down (``shutdown``) and wait until its process is gone."""
+    from codespec.daemon.client import Client, DaemonError, default_socket_path
+
+    path = args.socket or default_socket_path()
+    try:
+        client = Client(path)
+    except DaemonError:
+        print(f"codespec: no daemon is running on {path}")
+        return 0
+    with client:
+        try:
+            pid = int(client.request("stats")["pid"])
+            client.request("shutdown")
+        except (DaemonError, KeyError) as exc:
+            raise CliError(f"the daemon on {path} did not take the request: {exc}") from None
+    if not _wait_gone(path, pid, args.timeout):
+        raise CliError(f"the daemon (pid {pid}) on {path} is still running after {args.timeout} s")
+    print(f"codespec: stopped the daemon (pid {pid}) on {path}")
+    return 0
+
+
+def _wait_gone(path: str, pid: int, timeout: float) -> bool:
+    """Whether the socket file and process ``pid`` were gone within ``timeout`` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path) or not _exited(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process of that number: ours is gone
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _config_path() -> str:
+    from codespec.daemon.config import default_config_path
+
+    return str(default_config_path())
+
+
+def _state_dir() -> str:
+    from codespec.native import state_dir
+
+    return str(state_dir())
 
 
 # LSP language identifiers by file extension (the daemon picks comment syntax by them)
@@ -319,7 +381,13 @@ def cmd_complete(args: argparse.Namespace) -> int:
     return 0
 
 
-SOCKET_HELP = "the daemon's socket (default: $CODESPEC_SOCKET, else $XDG_RUNTIME_DIR/codespec/...)"
+def _socket_help() -> str:
+    from codespec.daemon.config import SOCKET_RULE, default_socket_path
+
+    return f"the daemon's socket (default here: {default_socket_path()}; the rule: {SOCKET_RULE})"
+
+
+SOCKET_HELP = _socket_help()
 SPECULATION_HELP = "auto (default), off, or one proposer's name (ngram, eagle, ...)"
 MAX_TOKENS_HELP = "the most tokens to generate"
 
@@ -353,13 +421,19 @@ def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", default=None, choices=DEVICES, help=DEVICE_HELP)
     s.add_argument("--runner", default=None, choices=RUNNERS, help=RUNNER_HELP)
     s.add_argument("--socket", default=None, help=SOCKET_HELP)
-    s.add_argument("--config", default=None, help="config file (default: ~/.config/codespec/...)")
+    s.add_argument("--config", default=None, help=f"config file (default: {_config_path()})")
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="what a running daemon is doing")
     st.add_argument("--socket", default=None, help=SOCKET_HELP)
     st.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     st.set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("stop", help="stop the running daemon and wait until it is gone")
+    sp.add_argument("--socket", default=None, help=SOCKET_HELP)
+    sp.add_argument("--timeout", type=non_negative_float, default=30.0,
+                    help="seconds to wait for it to exit (default: 30)")  # fmt: skip
+    sp.set_defaults(func=cmd_stop)
 
     c = sub.add_parser("complete", help="complete at a position of a file via the daemon")
     c.add_argument(
@@ -398,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     mo.add_argument("file", nargs="?", help="the .gguf file to import (import only)")
     mo.add_argument("--force", action="store_true", help="fetch: rebuild a cached model")
     mo.add_argument("--json", action="store_true", help="list: print JSON")
-    mo.add_argument("--state-dir", default=None, help="cache root (default: ~/.cache/codespec)")
+    mo.add_argument("--state-dir", default=None, help=f"cache root (default: {_state_dir()})")
     mo.set_defaults(func=cmd_model)
 
     passthrough = (
@@ -408,6 +482,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text, func in passthrough:
         sub.add_parser(name, help=text, add_help=False).set_defaults(func=func, passthrough=True)
     return p
+
+
+def _is_model_load_error(exc: Exception) -> bool:
+    """Whether ``exc`` is the engine's ModelLoadError, without importing the engine (and
+    torch) on the client commands' error paths: only a loaded engine can have raised it."""
+    engine = sys.modules.get("codespec.daemon.engine.engine")
+    return engine is not None and isinstance(exc, engine.ModelLoadError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,9 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 1
     except Exception as exc:
-        from codespec.daemon.engine.engine import ModelLoadError
-
-        if isinstance(exc, (CliError, ModelLoadError)):
+        if isinstance(exc, CliError) or _is_model_load_error(exc):
             print(f"codespec: error: {exc}", file=sys.stderr)
             return 1
         if os.environ.get("CODESPEC_DEBUG"):

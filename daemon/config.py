@@ -161,15 +161,23 @@ class Config(_Section):
         return base / "index.msgpack"
 
 
+SOCKET_RULE = (
+    "$CODESPEC_SOCKET, else $XDG_RUNTIME_DIR/codespec/daemon.sock, "
+    "else $XDG_CACHE_HOME/codespec/daemon.sock (~/.cache/codespec/daemon.sock)"
+)
+
+
 def default_socket_path() -> str:
-    """``$CODESPEC_SOCKET``, else ``$XDG_RUNTIME_DIR/codespec/daemon.sock``, else ~/.cache."""
+    """The socket when the config names none (:data:`SOCKET_RULE`): sockets belong in
+    the runtime directory when there is one; else the state directory, which follows
+    ``$XDG_CACHE_HOME`` like the models, kernels and index."""
     env = os.environ.get("CODESPEC_SOCKET")
     if env:
         return os.path.expanduser(env)
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "codespec", "daemon.sock")
-    return os.path.join(os.path.expanduser("~"), ".cache", "codespec", "daemon.sock")
+    return str(state_dir() / "daemon.sock")
 
 
 def default_state_dir() -> Path:

@@ -196,6 +196,17 @@ class Server:
             await serve_connection(reader, conn, self._handlers)
         finally:
             self._connections.discard(conn)
+            if not self._stopping:  # stopping: the open documents go into the saved index
+                self.release(conn)
+
+    def release(self, conn: Connection) -> None:
+        """Close the documents ``conn`` opened that no other connection holds: an editor
+        that quits (its language server's connection closes) leaves none open."""
+        held = set().union(*(c.documents for c in self._connections if c is not conn))
+        for uri in sorted(conn.documents - held):
+            if uri in self.documents:
+                self.documents.close(uri)
+        conn.documents.clear()
 
     # -- the n-gram index ---------------------------------------------------------------
     def _load_index(self) -> Any:

@@ -12,6 +12,7 @@ the index's insides, prompt building.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,31 @@ def cpu_kernel(engine: Any) -> str:
     return cpu_gemm.unavailable_reason() or "off"
 
 
+class HeldDeltas:
+    """The deltas of a request whose result is its text shaped: only text that ``stable``
+    says the shaping keeps whatever comes next goes out as it is generated, and
+    :meth:`close` sends the rest of the result's text, so that the deltas add up to exactly
+    the text the result returns. Runs on the event loop."""
+
+    def __init__(self, send: Callable[[str], None], stable: Callable[[str], str]) -> None:
+        self.send, self.stable = send, stable
+        self.raw = ""
+        self.sent = ""
+
+    def feed(self, text: str) -> None:
+        self.raw += text
+        self._up_to(self.stable(self.raw))
+
+    def close(self, result: dict[str, Any]) -> dict[str, Any]:
+        self._up_to(result["text"])
+        return result
+
+    def _up_to(self, target: str) -> None:
+        if len(target) > len(self.sent) and target.startswith(self.sent):
+            self.send(target[len(self.sent) :])
+            self.sent = target
+
+
 class Methods:
     """The handlers of one daemon, by socket method name (:meth:`table`)."""
 
@@ -105,15 +131,32 @@ class Methods:
         return params, speculation
 
     def _submit(
-        self, conn: Connection, rid: int, job: Job, stream: bool, done: Callable[[JobResult], dict]
+        self,
+        conn: Connection,
+        rid: int,
+        job: Job,
+        stream: bool,
+        done: Callable[[JobResult], dict],
+        stable: Callable[[str], str] | None = None,
     ) -> Waiting:
+        """Queue ``job``; with ``stream``, its text goes out as deltas (with ``stable``,
+        through :class:`HeldDeltas`: the result's text shaped by ``done`` is what streams)."""
         scheduler = self.srv.scheduler
         assert scheduler is not None
         if stream:
             loop = asyncio.get_running_loop()
 
+            def send(text: str) -> None:
+                conn.send({"id": rid, "event": "delta", "text": text})
+
+            sink = send
+            if stable is not None:
+                held = HeldDeltas(send, stable)
+                sink, shaped = held.feed, done
+                done = lambda r: held.close(shaped(r))  # noqa: E731
+
             def on_delta(text: str) -> None:
-                loop.call_soon_threadsafe(conn.send, {"id": rid, "event": "delta", "text": text})
+                loop.call_soon_threadsafe(sink, text)
 
             job.on_delta = on_delta
         return Waiting(job, asyncio.wrap_future(scheduler.submit(job)), done)
@@ -145,6 +188,7 @@ class Methods:
     def open(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Open)
         d = self.srv.documents.open(p.uri, p.text, p.version, p.language)
+        conn.documents.add(p.uri)
         self._warm_later(p.uri, len(p.text), 0.0)
         return {"uri": p.uri, "version": d.version, "lines": d.doc.lines.line_count}
 
@@ -190,6 +234,7 @@ class Methods:
     def close(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Close)
         self.srv.documents.close(p.uri)
+        conn.documents.discard(p.uri)
         return {"uri": p.uri, "closed": True}
 
     def workspace(self, conn: Connection, rid: int, raw: Params) -> Any:
@@ -233,7 +278,12 @@ class Methods:
             text = completion.shape(r.text, p.multiline, r.finish_reason)
             return {"text": text, "finish_reason": r.finish_reason, "stats": r.stats}
 
-        return self._submit(conn, rid, job, p.stream, done)
+        # what shaping keeps of the text so far whatever comes next: what a "length"
+        # finish keeps (the shaping cuts only whole lines at the end, most at "length")
+        def stable(text: str) -> str:
+            return completion.shape(text, p.multiline, "length")
+
+        return self._submit(conn, rid, job, p.stream, done, stable)
 
     def edit(self, conn: Connection, rid: int, raw: Params) -> Waiting:
         p = parse(raw, proto.Edit)
@@ -316,6 +366,7 @@ class Methods:
             "runner": e.runner.name,
             "cpu_kernel": cpu_kernel(e),
             "kv_slots": e.max_slots,
+            "pid": os.getpid(),
             "uptime_s": round(time.time() - srv.started, 1),
             "connections": srv.connection_count,
             "documents": len(srv.documents),
