@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[1:]
     else:
         args, rest = parser.parse_args(argv), []
-    _quiet_libraries(loads_model=args.command not in ("lsp", "status", "complete"))
+    _quiet_libraries(loads_model=args.command not in ("lsp", "status", "stop", "complete"))
     func: Callable = args.func
     try:
         if getattr(args, "passthrough", False):

@@ -125,11 +125,6 @@ class Completion(_Section):
     # than the gap between keystrokes of someone typing (~150-250 ms): a warm-up between
     # keystrokes makes the next completion wait for its forward in flight.
     warm_after_s: Annotated[float, Meta(ge=0.0)] = 0.4
-    # A completion at a cold spot (a jump: more than this many of its prompt's tokens are
-    # in no KV cache) uses only the last ~this many prefix tokens, so that its prefill
-    # stays short (~0.6 s on 2 CPU cores instead of ~2.5 s for 1,024); the whole window
-    # comes back once a pause has pre-filled it (warm_after_s). 0: always the whole window.
-    cold_tokens: Annotated[int, Meta(ge=0)] = 256
 
 
 class Workspace(_Section):

@@ -141,7 +141,6 @@ class Server:
             self.config.speculation,
             self.config.limits.max_queue,
         )
-        self.scheduler.cold_after = self.config.completion.cold_tokens
         self.scheduler.start()
         ws = self.config.workspace
         self.workspace = Workspace(

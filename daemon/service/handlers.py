@@ -270,7 +270,6 @@ class Methods:
             srv.config.limits.context_tokens,
             srv.config.completion.context,
             list(p.stop),
-            srv.config.completion.cold_tokens,
         )
         job = prepared_job(prep, params, speculation, "complete", p.uri)
 
