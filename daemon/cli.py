@@ -392,6 +392,18 @@ SPECULATION_HELP = "auto (default), off, or one proposer's name (ngram, eagle, .
 MAX_TOKENS_HELP = "the most tokens to generate"
 
 
+def _complete_tokens_help() -> str:
+    from codespec.daemon.prompts import limits
+
+    return (
+        f"the most tokens to generate (default: {limits.LINE_TOKENS} for one line, which "
+        f"ends at the line's end first; {limits.BLOCK_TOKENS} with --multiline)"
+    )
+
+
+COMPLETE_TOKENS_HELP = _complete_tokens_help()
+
+
 def _bench_help() -> str:
     from codespec.daemon.bench import SUBCOMMANDS
 
@@ -444,7 +456,7 @@ def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
                    help="0-based UTF-16 column, at most the line's length")  # fmt: skip
     c.add_argument("--stream", action="store_true", help="print deltas as they arrive")
     c.add_argument("--multiline", action="store_true", help="complete a block, not one line")
-    c.add_argument("--max-tokens", type=positive_int, default=None, help=MAX_TOKENS_HELP)
+    c.add_argument("--max-tokens", type=positive_int, default=None, help=COMPLETE_TOKENS_HELP)
     c.add_argument("--speculation", default="auto", help=SPECULATION_HELP)
     c.add_argument("--socket", default=None, help=SOCKET_HELP)
     c.add_argument("--json", action="store_true", help="also print the stats as a JSON line")

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from codespec.daemon.engine import cpu_gemm, quant_gemm
-from codespec.daemon.engine.engine import GenParams
+from codespec.daemon.engine.engine import GenParams, Stats
 from codespec.daemon.engine.footprint import flat_weights
-from codespec.daemon.prompts import completion
+from codespec.daemon.prompts import completion, limits
 from codespec.daemon.service import protocol as proto
 from codespec.daemon.service.connection import Connection, Handler, Waiting, cancelled_frame
 from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError, parse
@@ -224,12 +224,14 @@ class Methods:
         doc = srv.documents.get(uri)
         try:
             prep = completion.prepare_complete(
-                srv.engine, srv.documents, srv.snippets, doc, min(offset, len(doc.text)), 16,
-                False, srv.config.limits.context_tokens, srv.config.completion.context,
+                srv.engine, srv.documents, srv.snippets, doc, min(offset, len(doc.text)),
+                limits.LINE_TOKENS, False, srv.config.limits.context_tokens,
+                srv.config.completion.context,
             )  # fmt: skip
-        except ProtocolError:  # nothing to complete from
+        except ProtocolError:  # no room for a prompt
             return
-        srv.scheduler.warm(uri, prep.prompt_ids)
+        if prep.prompt_ids:  # empty: nothing to complete from
+            srv.scheduler.warm(uri, prep.prompt_ids)
 
     def close(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Close)
@@ -254,9 +256,9 @@ class Methods:
         return asyncio.to_thread(work)
 
     # -- model work -----------------------------------------------------------------------
-    def complete(self, conn: Connection, rid: int, raw: Params) -> Waiting:
+    def complete(self, conn: Connection, rid: int, raw: Params) -> Waiting | dict[str, Any]:
         p = parse(raw, proto.Complete)
-        params, speculation = self._sampling(p, 64 if p.multiline else 16)
+        params, speculation = self._sampling(p, limits.default_tokens(p.multiline))
         srv = self.srv
         doc = srv.documents.get(p.uri, p.version)
         prep = completion.prepare_complete(
@@ -271,6 +273,9 @@ class Methods:
             srv.config.completion.context,
             list(p.stop),
         )
+        if not prep.prompt_ids:  # a blank document: nothing to complete, not an error
+            stats = Stats(finish_reason="stop").as_dict()
+            return {"text": "", "finish_reason": "stop", "stats": stats}
         job = prepared_job(prep, params, speculation, "complete", p.uri)
 
         def done(r: JobResult) -> dict[str, Any]:
