@@ -462,6 +462,10 @@ def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", action="store_true", help="also print the stats as a JSON line")
     c.set_defaults(func=cmd_complete)
 
+    from codespec.daemon.view.command import add_parser as add_view
+
+    add_view(sub, SOCKET_HELP, cmd_view)
+
     ls = sub.add_parser("lsp", help="language server for editors (LSP over stdio)")
     ls.add_argument("--socket", default=None, help=SOCKET_HELP)
     ls.add_argument("--log-file", default=None, help="write the server's log to this file")
@@ -496,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from codespec.daemon.view.command import run
+
+    return run(args, _daemon_client, CliError)
+
+
 def _is_model_load_error(exc: Exception) -> bool:
     """Whether ``exc`` is the engine's ModelLoadError, without importing the engine (and
     torch) on the client commands' error paths: only a loaded engine can have raised it."""
@@ -512,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[1:]
     else:
         args, rest = parser.parse_args(argv), []
-    _quiet_libraries(loads_model=args.command not in ("lsp", "status", "stop", "complete"))
+    _quiet_libraries(loads_model=args.command not in ("lsp", "status", "stop", "complete", "view"))
     func: Callable = args.func
     try:
         if getattr(args, "passthrough", False):

@@ -41,6 +41,10 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     max_files = 5000
     debounce_s = 0.3
 
+    [view]
+    enabled = false           # serve the live page from the start (codespec view asks later)
+    ring = 200                # requests the page keeps (a bounded ring)
+
 Command-line flags win over the file; the file wins over the defaults.
 """
 
@@ -133,6 +137,13 @@ class Workspace(_Section):
     debounce_s: Annotated[float, Meta(ge=0.0)] = 0.3
 
 
+class View(_Section):
+    # The live page (codespec view): 127.0.0.1, a random port and token. Off, nothing
+    # records the requests and nothing listens; ``codespec view`` opens it on demand.
+    enabled: bool = False
+    ring: Annotated[int, Meta(ge=1, le=10_000)] = 200
+
+
 class Config(_Section):
     model: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -143,6 +154,7 @@ class Config(_Section):
     speculation: Speculation = msgspec.field(default_factory=Speculation)
     completion: Completion = msgspec.field(default_factory=Completion)
     workspace: Workspace = msgspec.field(default_factory=Workspace)
+    view: View = msgspec.field(default_factory=View)
 
     @property
     def socket_path(self) -> str:

@@ -106,6 +106,7 @@ class Server:
         self._stopping = False
         self._index_lock = threading.Lock()
         self._handlers = Methods(self).table()
+        self.view: Any = None  # the live page (codespec.daemon.view) while it is open
 
     @property
     def connection_count(self) -> int:
@@ -152,6 +153,10 @@ class Server:
         )
         await self._listen()
         log.info("serving on %s", self.socket_path)
+        if self.config.view.enabled:  # [view] enabled: the page from the start
+            from codespec.daemon.view.service import open_view
+
+            log.info("view on %s", (await open_view(self))["url"])
 
     async def _listen(self) -> None:
         claim_socket_path(self.socket_path)
@@ -174,6 +179,10 @@ class Server:
         self._stopping = True
         if self._server is not None:
             self._server.close()
+        if self.view is not None:
+            from codespec.daemon.view.service import close_view
+
+            await close_view(self)
         for conn in list(self._connections):
             conn.close()
         if self.scheduler is not None:

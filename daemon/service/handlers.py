@@ -47,6 +47,7 @@ METHODS = (
     "cancel",
     "stats",
     "workspace",
+    "view",
     "shutdown",
 )
 Params = Mapping[str, Any]
@@ -381,6 +382,11 @@ class Methods:
             "policy": policy_summary(e),
             "tokens_per_s": req["tokens_per_s"],
         }
+
+    def view(self, conn: Connection, rid: int, raw: Params) -> Any:
+        from codespec.daemon.view.service import handle  # aiohttp loads when a view is asked
+
+        return handle(self.srv, raw)
 
     def shutdown(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         srv = self.srv

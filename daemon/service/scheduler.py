@@ -204,6 +204,7 @@ class Scheduler:
         self.recent = RecentOutputs()  # what requests generated, per document: drafts
         self.warmed = 0
         self.warmed_tokens = 0
+        self.view: Any = None  # the open live view's Recorder (codespec.daemon.view), else None
 
     # -- API (any thread) ---------------------------------------------------------------
     def start(self) -> None:
@@ -381,6 +382,8 @@ class Scheduler:
             job.speculation, job.params.max_draft, active, self.cfg
         )
         proposer = make_proposer(name, self.engine, self.index)
+        if (view := self.view) is not None:  # the view notes this turn's steps
+            proposer = view.wrap(job, proposer, name, max_draft, active)
         job.speculation_used = job.speculation_used or name
         if name == "off" and job.speculation != "off":
             job.speculation_used = "off (busy)"
@@ -456,6 +459,8 @@ class Scheduler:
         with self._cond:
             if self._running is job:
                 self._running = None
+        if (view := self.view) is not None:
+            view.finish(job, error.code if error is not None else finish)
         self.recent.add(job.uri, job.prompt_ids, job.out_ids)  # cancelled ones too
         if error is None and (finish == "cancelled" or job.future.done()):
             error = ProtocolError(CANCELLED, "the request was cancelled")
