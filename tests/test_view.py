@@ -203,3 +203,49 @@ def test_rejected_drafts_are_noted_beside_their_step(engine):
     assert all(s["source"] == "kwrong" for s in drafted)
     shown = "".join(t[0] for t in rec["tokens"] if not t[3])
     assert shown == tok.decode(oracle)
+
+
+def test_output_that_no_step_noted_is_shown_as_the_targets(engine):
+    """An engine that takes no proposer (a remote backend) calls no recorder: its tokens
+    are still shown, as the target's."""
+    from codespec.daemon.engine.engine import GenParams
+    from codespec.daemon.service.scheduler import Job
+    from codespec.daemon.view.recorder import Recorder
+    from codespec.daemon.view.snapshot import record_json
+
+    prompt = engine.encode(PROMPT)
+    params = GenParams(max_tokens=8)
+    job = Job(prompt, params, "off")
+    recorder = Recorder(4)
+    recorder.wrap(job, None, "off", 0, 1)  # the wrapper the engine then ignores
+    job.out_ids, _ = engine.generate(prompt, params)
+    recorder.finish(job, "length")
+    rec = record_json(recorder.since()[0], engine.tokenizer.backend_tokenizer.decode, set())
+    assert [t[1] for t in rec["tokens"]] == ["prefill"] + ["target"] * (len(job.out_ids) - 1)
+
+
+def test_bench_page_reader_reads_an_open_view_only(daemon):
+    """What bench latency --configs starts for a daemon with [view] enabled: a page that
+    reads the event stream (a message at once, then each finished request)."""
+    import time
+
+    from codespec.daemon.view.reader import read_page
+
+    assert read_page(daemon.socket_path) is None  # closed
+    with Client(daemon.socket_path) as c:
+        c.request("view", {"action": "open"})
+        try:
+            page = read_page(daemon.socket_path)
+            assert page is not None
+            deadline = time.monotonic() + 30
+            while page.messages < 1:
+                assert time.monotonic() < deadline, "the page got no first message"
+                time.sleep(0.05)
+            run_requests(c, 1)
+            while page.records < 1:
+                assert time.monotonic() < deadline, "the page heard of no request"
+                time.sleep(0.05)
+        finally:
+            c.request("view", {"action": "close"})
+    page.thread.join(10)
+    assert not page.thread.is_alive()  # the view's close ended its stream

@@ -8,6 +8,7 @@ config has ``[view] enabled = true``. Must not touch: the daemon's state.
 
 from __future__ import annotations
 
+import json
 import threading
 import urllib.request
 from typing import Any
@@ -16,11 +17,13 @@ from codespec.daemon.client import Client, DaemonError
 
 
 class PageReader:
-    """Reads ``url``'s event stream on a daemon thread; ``messages``: events read."""
+    """Reads ``url``'s event stream on a daemon thread, as the page does (each message
+    parsed); ``messages``: events read, ``records``: requests they carried."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.messages = 0
+        self.records = 0
         self.thread = threading.Thread(target=self._read, name="codespec-view-page", daemon=True)
         self.thread.start()
 
@@ -29,6 +32,7 @@ class PageReader:
             with urllib.request.urlopen(self.url + "events") as stream:
                 for line in stream:
                     if line.startswith(b"data: "):
+                        self.records += len(json.loads(line[6:])["records"])
                         self.messages += 1
         except OSError:  # the daemon stopped
             return

@@ -35,7 +35,8 @@ def pieces(decode: Decode, ids: Sequence[int]) -> list[str]:
 def _rows(rec: Record, stop_ids: set[int]) -> list[tuple[int | None, str, int, bool]]:
     """(id, source, step number or -1, cut) per token the engine produced, in order: each
     turn's prefill token, then each step's accepted tokens and bonus. A token that is not
-    in the output (a stop token, past ``max_tokens``) is ``cut``."""
+    in the output (a stop token, past ``max_tokens``) is ``cut``; output no step noted is
+    the ``target``'s."""
     rows: list[tuple[int | None, str, int, bool]] = []
     out, i, n = rec.out_ids, 0, 0
     for turn in rec.turns:
@@ -50,6 +51,8 @@ def _rows(rec: Record, stop_ids: set[int]) -> list[tuple[int | None, str, int, b
                 rows.append((tok, src, n, not shown))
                 i += shown
             n += 1
+    # tokens no step noted: an engine that takes no proposer (a remote backend) decoded them
+    rows += [(t, "target", -1, False) for t in out[i:]]
     return rows
 
 

@@ -10,7 +10,8 @@
     "prefill": "prefill (target)", "bonus": "bonus (target)", "ngram:index": "index n-gram",
     "ngram:context": "context n-gram", "ngram:prediction": "prediction",
     "ngram:recent": "recent outputs", "lookahead": "lookahead", "eagle": "EAGLE",
-    "lookahead:pool": "lookahead (pool)", "lookahead:window": "lookahead (window)"
+    "lookahead:pool": "lookahead (pool)", "lookahead:window": "lookahead (window)",
+    "target": "target (no step noted)"
   };
   var COLORS = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#db2777", "#0891b2"];
   var SHOWN = 50;  // request cards kept in the DOM
