@@ -204,6 +204,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides=flags)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    if args.backend:  # a vLLM server decodes (codespec.daemon.backends)
+        config.backend.kind = args.backend
+    if args.backend_url:
+        config.backend.url = args.backend_url
     try:
         return serve(config)
     except SocketInUse as exc:
@@ -245,6 +249,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{req['cancelled']} cancelled, {req['failed']} failed"
     )
     print(f"tokens/s   {s['tokens_per_s']}")
+    back = s.get("backend") or {}
+    if back.get("kind", "local") != "local":
+        print(f"backend    {back['kind']} at {back['url']}: {back['model']}, {back['health']}")
     for src, a in s["proposers"].items():
         print(f"proposer   {src}: {a['accepted']}/{a['drafted']} accepted ({a['acceptance']:.0%})")
     pol = s.get("policy") or {}
@@ -434,6 +441,9 @@ def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--runner", default=None, choices=RUNNERS, help=RUNNER_HELP)
     s.add_argument("--socket", default=None, help=SOCKET_HELP)
     s.add_argument("--config", default=None, help=f"config file (default: {_config_path()})")
+    s.add_argument("--backend", default=None, choices=("local", "vllm"),
+                   help="who decodes: the daemon or a vLLM server ([backend] kind)")  # fmt: skip
+    s.add_argument("--backend-url", default=None, help="the vLLM server ([backend] url)")
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="what a running daemon is doing")
@@ -482,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_generate(sub)
     _add_daemon_commands(sub)
+    from codespec.daemon.backends.vllm_args import add_parser as add_vllm_args
+
+    add_vllm_args(sub)
 
     mo = sub.add_parser("model", help="fetch, import or list cached models")
     mo.add_argument("action", choices=["fetch", "import", "list"], help="what to do")

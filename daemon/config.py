@@ -45,6 +45,15 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     enabled = false           # serve the live page from the start (codespec view asks later)
     ring = 200                # requests the page keeps (a bounded ring)
 
+    [backend]
+    kind = "local"            # local | vllm (a vLLM server decodes: codespec.daemon.backends)
+    url = "http://127.0.0.1:8000"
+    model = ""                # the served model's name ("": the one it serves)
+    api_key_env = "CODESPEC_BACKEND_API_KEY"
+    api_key_file = ""
+    timeout_s = 30.0
+    retries = 2
+
 Command-line flags win over the file; the file wins over the defaults.
 """
 
@@ -137,6 +146,18 @@ class Workspace(_Section):
     debounce_s: Annotated[float, Meta(ge=0.0)] = 0.3
 
 
+class Backend(_Section):
+    # "local": the daemon's own engine; "vllm": a vLLM server's OpenAI API decodes
+    # (codespec.daemon.backends; prompts, stops and cancellation stay in the daemon)
+    kind: Literal["local", "vllm"] = "local"
+    url: str = "http://127.0.0.1:8000"
+    model: str = ""  # the served model's name; "": the one the server serves
+    api_key_env: str = "CODESPEC_BACKEND_API_KEY"  # the API key's variable (never logged)
+    api_key_file: str = ""  # else a file holding the key
+    timeout_s: Annotated[float, Meta(gt=0.0)] = 30.0  # connect, and the most between tokens
+    retries: Annotated[int, Meta(ge=0)] = 2  # reconnects before the first token only
+
+
 class View(_Section):
     # The live page (codespec view): 127.0.0.1, a random port and token. Off, nothing
     # records the requests and nothing listens; ``codespec view`` opens it on demand.
@@ -155,6 +176,7 @@ class Config(_Section):
     completion: Completion = msgspec.field(default_factory=Completion)
     workspace: Workspace = msgspec.field(default_factory=Workspace)
     view: View = msgspec.field(default_factory=View)
+    backend: Backend = msgspec.field(default_factory=Backend)
 
     @property
     def socket_path(self) -> str:

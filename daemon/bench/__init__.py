@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "quality": "codespec.daemon.bench.quality",
     "kernels": "codespec.daemon.bench.kernels",
     "peers": "codespec.daemon.bench.peers",
+    "vllm": "codespec.daemon.bench.vllm",
     "infill": "codespec.daemon.bench.infill",
 }
 

@@ -115,6 +115,13 @@ class Server:
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         claim_socket_path(self.socket_path)  # before the model loads: a second serve fails fast
+        if self.engine is None and self.config.backend.kind != "local":
+            from codespec.daemon.backends.remote import RemoteEngine  # a server decodes
+
+            self.engine = await asyncio.to_thread(
+                RemoteEngine, self.config.model, self.config.backend
+            )
+        remote = getattr(self.engine, "remote", False)
         if self.engine is None:
             from codespec.daemon.engine.engine import Engine
 
@@ -122,11 +129,12 @@ class Server:
             self.engine = await asyncio.to_thread(
                 Engine, cfg.model, cfg.device, cfg.runner, max_slots=cfg.limits.kv_slots
             )
-        # the policy's first cost table: a few timed forwards, before the first request
-        seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
-        # the default method's proposers built once, so that a head (the EAGLE head shipped
-        # with the default model) loads now and not inside the first completion
-        await asyncio.to_thread(_preload, self.engine, self.config.speculation.default)
+        if not remote:
+            # the policy's first cost table: a few timed forwards, before the first request
+            seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
+            # the default method's proposers built once, so that a head (the EAGLE head
+            # shipped with the default model) loads now and not inside the first completion
+            await asyncio.to_thread(_preload, self.engine, self.config.speculation.default)
         self.index = self._load_index()
         from codespec.ngram_index import native as index_native
 
@@ -136,7 +144,10 @@ class Server:
         # token healing's table of every token's text (~0.2 s), built now, not inside the
         # first completion whose prompt is healed
         await asyncio.to_thread(TokenTexts.of, self.engine.tokenizer, self.engine.runner.vocab_size)
-        self.scheduler = Scheduler(
+        make = Scheduler
+        if remote:  # requests side by side, batched by the server
+            from codespec.daemon.backends.concurrent import RemoteScheduler as make
+        self.scheduler = make(
             self.engine,
             LockedIndex(self.index, self._index_lock),
             self.config.speculation,

@@ -381,6 +381,7 @@ class Methods:
             "proposers": req["proposers"],
             "policy": policy_summary(e),
             "tokens_per_s": req["tokens_per_s"],
+            "backend": e.status() if hasattr(e, "status") else {"kind": "local"},
         }
 
     def view(self, conn: Connection, rid: int, raw: Params) -> Any:

@@ -315,6 +315,8 @@ class Scheduler:
                 continue
             try:
                 self._turn(job)
+            except ProtocolError as exc:  # an outcome with its code (a backend's failure)
+                self._finish(job, error=exc)
             except Exception as exc:  # a bug: fail this request, keep serving
                 log.exception("request failed")
                 self.engine.reset_cache()
@@ -381,7 +383,9 @@ class Scheduler:
         name, max_draft = speculation_policy(
             job.speculation, job.params.max_draft, active, self.cfg
         )
-        proposer = make_proposer(name, self.engine, self.index)
+        # a remote engine (codespec.daemon.backends) speculates on its server: no proposer
+        remote = getattr(self.engine, "remote", False)
+        proposer = None if remote else make_proposer(name, self.engine, self.index)
         if (view := self.view) is not None:  # the view notes this turn's steps
             proposer = view.wrap(job, proposer, name, max_draft, active)
         job.speculation_used = job.speculation_used or name
