@@ -104,3 +104,23 @@ def test_the_repo_paths_of_uris():
         "file:///w/proj/pkg/a.py", ["file:///w/proj/pkg/sub/b.py", "file:///elsewhere/x/c.py"]
     )
     assert (repo, here, paths) == ("pkg", "a.py", ["sub/b.py", "x/c.py"])
+
+
+def test_an_edit_goes_through_the_chat_template_with_the_old_text_as_draft(qwen_tiny):
+    """``auto`` picks ``chat`` for a code model with FIM tokens and a chat template: one
+    user turn holding the instruction and the old region, which is also the draft the
+    proposers copy; the reply's fence is unwrapped and it ends with the old region's
+    line break."""
+    start = TEXT.index("def total")
+    old = TEXT[start:]
+    ep = completion.edit_prompt(qwen_tiny, TEXT, start, len(TEXT), old, "rename result",
+                                "python", 64)  # fmt: skip
+    assert ep.mode == "chat" and ep.draft_ids == qwen_tiny.encode(old)
+    rendered = qwen_tiny.tokenizer.decode(ep.prompt_ids)
+    assert rendered.startswith("<|im_start|>system\n")
+    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert f"<region>\n{old}</region>" in rendered and "rename result" in rendered
+    prep = completion.prepare_edit(qwen_tiny, ep, old)
+    reply = "```python\ndef total(values):\n    return sum(values)\n```\nThis sums them."
+    piece, hit = prep.tracker.feed(qwen_tiny.encode(reply), final=True)
+    assert hit and piece == prep.tracker.text == "def total(values):\n    return sum(values)\n"

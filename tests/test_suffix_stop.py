@@ -112,3 +112,30 @@ def test_a_markdown_fence_ends_the_text_before_it(engine):
     t = tracker(engine, fences=False)  # Markdown documents: a fence is text
     sent, _ = feed_text(t, engine, "```\n")
     assert sent == "```\n"
+
+
+def test_complete_help_states_the_default_token_caps():
+    """``codespec complete --help`` says how many tokens a completion gets by default."""
+    import argparse
+
+    from codespec.daemon.cli import build_parser
+    from codespec.daemon.prompts import limits
+
+    sub = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    complete = sub.choices["complete"]
+    (action,) = [a for a in complete._actions if a.dest == "max_tokens"]
+    assert not isinstance(action, argparse._HelpAction)
+    assert f"default: {limits.LINE_TOKENS} for one line" in action.help
+    assert f"{limits.BLOCK_TOKENS} with --multiline" in action.help
+    assert limits.default_tokens(False) == limits.LINE_TOKENS > 16
+
+
+def test_unwrap_drops_a_reply_s_opening_fence_and_ends_at_the_closing_one(engine):
+    """A chat edit's reply: ```` ```python ```` on its first line is dropped, the closing
+    fence and the prose after it are cut; a reply without a fence is kept."""
+    t = tracker(engine, unwrap=True)
+    sent, hit = feed_text(t, engine, "```python\nx = 1\ny = 2\n```\nThis sets x and y.")
+    assert hit and sent == t.text == "x = 1\ny = 2"
+    t = tracker(engine, unwrap=True)
+    sent, _ = feed_text(t, engine, "x = 1\ny = 2\n")
+    assert sent == t.text == "x = 1\ny = 2\n"

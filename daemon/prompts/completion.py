@@ -23,6 +23,7 @@ from codespec.daemon.prompts.edit import (  # noqa: F401 (the edit side, importa
     EDIT_DRAFT,
     EDIT_MODES,
     EditPrompt,
+    auto_mode,
     clean_edit,
     edit_prompt,
     prepare_edit,

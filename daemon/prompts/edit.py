@@ -75,9 +75,10 @@ class EditPrompt:
 
 
 def prepare_edit(engine: Any, ep: EditPrompt, old: str, stop: list[str] | None = None) -> Prepared:
-    """An edit prompt's request. A ``continue`` rewrite ends with the line breaks ``old``
-    ended with (it is cut where the next code starts, so blank lines before that are
-    not the region's)."""
+    """An edit prompt's request. A ``continue`` or ``chat`` rewrite ends with the line
+    breaks ``old`` ended with (a ``continue`` one is cut where the next code starts, so
+    blank lines before that are not the region's; a chat reply ends where it likes); a
+    chat reply's code fence is unwrapped as it streams."""
     tracker = TextTracker(
         engine.tokenizer.backend_tokenizer,
         ep.prompt_ids,
@@ -86,7 +87,8 @@ def prepare_edit(engine: Any, ep: EditPrompt, old: str, stop: list[str] | None =
         lead=ep.lead,
         stop_lines=ep.stop_lines,
         region=ep.region,
-        trailing=old[len(old.rstrip("\r\n")) :] if ep.mode == "continue" else None,
+        trailing=old[len(old.rstrip("\r\n")) :] if ep.mode in ("continue", "chat") else None,
+        unwrap=ep.mode == "chat",
     )
     constraint = healing.constraint(engine, ep.heal)
     return Prepared(ep.prompt_ids, constraint, tracker, ep.draft_ids, ep.mode)
@@ -99,6 +101,15 @@ def comment_line(language: str, instruction: str) -> str:
 
 def has_chat_template(engine: Any) -> bool:
     return bool(getattr(engine.tokenizer, "chat_template", None))
+
+
+def auto_mode(engine: Any) -> str:
+    """The mode ``auto`` picks: ``chat`` for a code model with FIM tokens and a chat
+    template (Qwen2.5-Coder-Instruct), ``fim`` for one without a template, ``continue``
+    for a model without FIM tokens (SmolLM2 answers with prose through its template)."""
+    if engine.fim is None:
+        return "continue"
+    return "chat" if has_chat_template(engine) else "fim"
 
 
 def edit_prompt(
@@ -119,22 +130,23 @@ def edit_prompt(
     most ``context_tokens`` tokens of surrounding code besides the draft (default: as
     much as the model's context holds).
 
-    - ``fim`` (models with FIM tokens; ``auto`` picks it for them): prefix = text before
-      the region + the draft + a line break (+ the instruction as a comment), middle =
-      the new region, suffix = the text after it.
+    - ``fim`` (``auto`` for models with FIM tokens and no chat template): prefix = text
+      before the region + the draft + a line break (+ the instruction as a comment),
+      middle = the new region, suffix = the text after it.
     - ``continue`` (``auto`` for the rest): the text before the region, the draft, the
       instruction as a comment, then the draft's first line again, healed; the model
       continues the rewrite. Ends at the code after the region or when the rewrite
       has as many lines at the region's indentation as the draft. A small instruct
       model (SmolLM2-135M) copies the draft this way and answers with prose through
       its chat template (measured: README, "Edits").
-    - ``chat`` (asked for explicitly): the instruction, the surrounding code and the
-      draft in one user turn of the model's chat template.
+    - ``chat`` (``auto`` for models with FIM tokens and a chat template: instruct code
+      models): the instruction, the surrounding code and the draft in one user turn of
+      the model's chat template; a reply wrapped in a code fence is unwrapped.
     """
     if mode not in EDIT_MODES:
         raise ProtocolError(BAD_PARAMS, f"mode must be one of {', '.join(EDIT_MODES)}")
     if mode == "auto":
-        mode = "fim" if engine.fim is not None else "continue"
+        mode = auto_mode(engine)
     budget = engine.max_length - max_tokens - 1
     draft_ids = engine.encode(draft)
     if context_tokens:

@@ -177,7 +177,7 @@ class Methods:
                 "methods": list(METHODS),
                 "speculation": proposer_names(),
                 "streaming": True,
-                "edit": "fim" if e.fim is not None else "continue",  # the "auto" mode
+                "edit": completion.auto_mode(e),  # the "auto" mode
                 "edit_modes": list(completion.EDIT_MODES),
                 "fim": e.fim is not None,
                 "max_frame_bytes": proto.MAX_FRAME_BYTES,

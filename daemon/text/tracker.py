@@ -67,6 +67,8 @@ class TextTracker:
     - ``fences``: a line starting with a Markdown fence (```` ``` ````) ends the text
       before that line, the first line too (an instruct model closing a chat answer's
       code block; what follows it is prose).
+    - ``unwrap``: a first line opening a fence (```` ```python ````) is dropped, and a
+      later fence line ends the text (a chat reply's code block, without the fence).
     - ``cut_loops``: a completed line written the third time, or one that
       :func:`repeats_a_piece`, ends the text before that line (``looped``).
     - ``region = (indent, k)``: the text ends before the ``k+1``-th non-blank line
@@ -94,6 +96,7 @@ class TextTracker:
         rest: str = "",
         max_indent: int | None = None,
         fences: bool = False,
+        unwrap: bool = False,
     ) -> None:
         self._tok = tokenizer
         self._stream = DecodeStream(ids=list(prompt_ids[-PRIME_TOKENS:]) or None)
@@ -104,7 +107,7 @@ class TextTracker:
         self.cut_loops = cut_loops
         self.region = region
         self.rest, self.rest_space = rest.strip(), rest[:1].isspace()
-        self.max_indent, self.fences = max_indent, fences
+        self.max_indent, self.fences, self.unwrap = max_indent, fences, unwrap
         self.trimmed = 0  # leading whitespace cut off the first line (max_indent)
         self.raw = ""  # the decoded continuation, skip included
         self.ends: list[int] = []  # len(raw) after each token
@@ -122,7 +125,7 @@ class TextTracker:
         """Whether a rule may still cut the last line (so it is held back)."""
         return bool(
             self.stop_lines or self.cut_loops or self.region or self.rest or self.fences
-            or self.trailing is not None
+            or self.unwrap or self.trailing is not None
         )  # fmt: skip
 
     def feed(self, ids: Sequence[int], final: bool = False) -> tuple[str, bool]:
@@ -149,7 +152,12 @@ class TextTracker:
         return self._take(max(self._safe_end(), self.emitted)), False
 
     def _indented(self, text: str) -> str:
-        """``text`` with its first line's leading whitespace cut to ``max_indent``."""
+        """``text`` with its first line's leading whitespace cut to ``max_indent``, or
+        its first line dropped where it opens a fence (``unwrap``)."""
+        if self.unwrap:
+            nl = text.find("\n")
+            self.trimmed = nl + 1 if nl >= 0 and text[:nl].strip().startswith("```") else 0
+            return text[self.trimmed :]
         if self.max_indent is None:
             return text
         ws = len(text) - len(text.lstrip(" \t"))
@@ -161,6 +169,8 @@ class TextTracker:
         end = len(self.text)
         if self.max_indent is not None and not self.text.strip(" \t"):
             return 0  # the first line's indentation may still grow past max_indent
+        if self.unwrap and not self.trimmed and "\n" not in self.text:
+            return 0  # the first line may still be a fence to drop
         for s in self.stop:  # a trailing piece may be the start of a stop string
             for k in range(min(len(s) - 1, end), 0, -1):
                 if self.text[:end].endswith(s[:k]):
@@ -199,7 +209,7 @@ class TextTracker:
             if self.region is not None and key and indent_width(line) <= self.region[0]:
                 self._top += 1
                 stop_line = stop_line or self._top > self.region[1]
-            stop_line = stop_line or (self.fences and key.startswith("```"))
+            stop_line = stop_line or ((self.fences or self.unwrap) and key.startswith("```"))
             looping = bool(self.cut_loops and key and
                            (self._seen[key] >= 3 or repeats_a_piece(line)))  # fmt: skip
             if stop_line or looping:
@@ -221,7 +231,7 @@ class TextTracker:
         start = self._scan
         line = self.text[start:]
         at = self._before_rest(line) if self._line_no == 0 else None
-        if at is None and self.fences and line.strip().startswith("```"):
+        if at is None and (self.fences or self.unwrap) and line.strip().startswith("```"):
             at = max(0, start - 1)
         elif at is not None:
             at += start
