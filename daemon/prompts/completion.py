@@ -188,7 +188,8 @@ def _fim_complete(
         head, n = fim.repo_head(engine.fim, engine.encode, repo, files, path, budget // 3)
         used = snippets[:n]
     room = budget - len(head)
-    suffix_ids = engine.encode(after)
+    # the kept suffix tokens (at most SUFFIX_TOKENS) come from its first characters
+    suffix_ids = engine.encode(after[: SUFFIX_TOKENS * CHARS_PER_TOKEN_CAP])
     suf_room = min(len(suffix_ids), SUFFIX_TOKENS, (room - 3) // 4)
     pre = window_prefix(prefix_ids, room - 3 - suf_room)
     ids = head + fim.fim_prompt(engine.fim, pre, suffix_ids[:suf_room], room)
