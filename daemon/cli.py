@@ -208,6 +208,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config.backend.kind = args.backend
     if args.backend_url:
         config.backend.url = args.backend_url
+    from codespec.daemon.view.service import install
+
+    install()  # the `view` socket method; the page at start with [view] enabled
     try:
         return serve(config)
     except SocketInUse as exc:

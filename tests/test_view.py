@@ -16,8 +16,11 @@ import pytest
 from codespec.daemon.cli import main as cli_main
 from codespec.daemon.client import Client, DaemonError
 from codespec.daemon.view.recorder import rejected_path
+from codespec.daemon.view.service import current, install
 from codespec.speculators.draft import Draft
 from conftest import ServerThread, daemon_config
+
+install()  # what codespec serve does: the daemons these tests start have the view
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef add("
 
@@ -71,7 +74,7 @@ def test_the_view_binds_only_when_asked_and_closes_to_nothing(daemon):
             assert b"codespec" not in body or b"wrong token" in body
         closed = c.request("view", {"action": "close"})
         assert closed["open"] is False and sched.view is None
-        assert daemon.server.view is None
+        assert current(daemon.server) is None
         assert refused(parts.port)
 
 
@@ -115,7 +118,9 @@ def test_the_ring_keeps_the_last_requests_only(engine, tmp_path):
     config.view.ring = 2
     srv = ServerThread(config, engine)
     try:
-        url = srv.server.view.url
+        view = current(srv.server)
+        assert view is not None
+        url = view.url
         with Client(srv.socket_path) as c:
             assert c.request("view", {"action": "status"})["url"] == url
             run_requests(c, 3, speculation="off")
@@ -249,3 +254,47 @@ def test_bench_page_reader_reads_an_open_view_only(daemon):
             c.request("view", {"action": "close"})
     page.thread.join(10)
     assert not page.thread.is_alive()  # the view's close ended its stream
+
+
+def test_codespec_serve_with_view_enabled_serves_the_page(tmp_path, tiny_model):
+    """The real command: ``[view] enabled`` in the config file opens the page at start,
+    ``codespec view`` prints its address, and SIGTERM leaves nothing listening."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    sock = str(tmp_path / "d.sock")
+    config = tmp_path / "config.toml"
+    config.write_text("[view]\nenabled = true\nring = 3\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "codespec.daemon.cli", "serve", "--model", str(tiny_model),
+         "--socket", sock, "--config", str(config)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(sock):
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.1)
+        state: dict = {}
+        while not state.get("open"):  # opened by the config at start, not by the command
+            assert proc.poll() is None and time.monotonic() < deadline, "no view came up"
+            with Client(sock) as c:
+                state = c.request("view", {"action": "status"})
+            time.sleep(0.05)
+        assert state["ring"] == 3
+        shown = subprocess.run(
+            [sys.executable, "-m", "codespec.daemon.cli", "view", "--socket", sock],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert shown.stdout.strip() == state["url"]
+        assert get(state["url"])[0] == 200
+        proc.terminate()
+        assert proc.wait(60) == 0
+        assert refused(urlparse(state["url"]).port or 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -21,8 +21,10 @@ from cdp import Browser, chromium_path
 
 from codespec.daemon.cli import main as cli_main
 from codespec.daemon.client import Client
+from codespec.daemon.view.service import install
 from conftest import ServerThread, daemon_config
 
+install()  # what codespec serve does: the daemons these tests start have the view
 CHROMIUM = chromium_path()
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium (Debian: apt-get install -y chromium) to run the page"

@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from codespec.daemon.config import Config
@@ -38,6 +39,12 @@ from codespec.daemon.text.healing import TokenTexts
 from codespec.speculators.policy import seed_costs
 
 log = logging.getLogger("codespec.daemon")
+
+
+# Parts above the service that start and stop with the daemon (codespec.daemon.view, which
+# the service imports nothing of): awaited with the server once it listens, and as it stops.
+ON_START: list[Callable[[Server], Awaitable[Any]]] = []
+ON_STOP: list[Callable[[Server], Awaitable[Any]]] = []
 
 
 class SocketInUse(RuntimeError):
@@ -106,7 +113,6 @@ class Server:
         self._stopping = False
         self._index_lock = threading.Lock()
         self._handlers = Methods(self).table()
-        self.view: Any = None  # the live page (codespec.daemon.view) while it is open
 
     @property
     def connection_count(self) -> int:
@@ -164,10 +170,8 @@ class Server:
         )
         await self._listen()
         log.info("serving on %s", self.socket_path)
-        if self.config.view.enabled:  # [view] enabled: the page from the start
-            from codespec.daemon.view.service import open_view
-
-            log.info("view on %s", (await open_view(self))["url"])
+        for hook in ON_START:
+            await hook(self)
 
     async def _listen(self) -> None:
         claim_socket_path(self.socket_path)
@@ -190,10 +194,8 @@ class Server:
         self._stopping = True
         if self._server is not None:
             self._server.close()
-        if self.view is not None:
-            from codespec.daemon.view.service import close_view
-
-            await close_view(self)
+        for hook in ON_STOP:
+            await hook(self)
         for conn in list(self._connections):
             conn.close()
         if self.scheduler is not None:

@@ -47,10 +47,12 @@ METHODS = (
     "cancel",
     "stats",
     "workspace",
-    "view",
     "shutdown",
 )
 Params = Mapping[str, Any]
+# Socket methods of parts above the service (codespec.daemon.view adds "view"), which the
+# service imports nothing of: name -> fn(server, params), a result map or an awaitable one.
+ADDED_METHODS: dict[str, Callable[[Any, Params], Any]] = {}
 
 
 def cpu_kernel(engine: Any) -> str:
@@ -107,7 +109,10 @@ class Methods:
         self._warm_timers: dict[str, asyncio.TimerHandle] = {}
 
     def table(self) -> dict[str, Handler]:
-        return {m: getattr(self, m) for m in METHODS}
+        table: dict[str, Handler] = {m: getattr(self, m) for m in METHODS}
+        for name, fn in ADDED_METHODS.items():
+            table[name] = lambda conn, rid, raw, fn=fn: fn(self.srv, raw)
+        return table
 
     # -- helpers --------------------------------------------------------------------------
     def _sampling(self, p: proto.Sampling, default_tokens: int) -> tuple[GenParams, str]:
@@ -174,7 +179,7 @@ class Methods:
             "runner": e.runner.name,
             "max_length": e.max_length,
             "capabilities": {
-                "methods": list(METHODS),
+                "methods": [*METHODS, *ADDED_METHODS],
                 "speculation": proposer_names(),
                 "streaming": True,
                 "edit": completion.auto_mode(e),  # the "auto" mode
@@ -383,11 +388,6 @@ class Methods:
             "tokens_per_s": req["tokens_per_s"],
             "backend": e.status() if hasattr(e, "status") else {"kind": "local"},
         }
-
-    def view(self, conn: Connection, rid: int, raw: Params) -> Any:
-        from codespec.daemon.view.service import handle  # aiohttp loads when a view is asked
-
-        return handle(self.srv, raw)
 
     def shutdown(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         srv = self.srv

@@ -1,21 +1,33 @@
-"""Opening and closing the live view inside a running daemon, and its socket method.
+"""The live view inside a running daemon: installing it, opening and closing it, its method.
 
-Owns: :func:`open_view` / :func:`close_view` (a :class:`~.recorder.Recorder` handed to the
-scheduler and the page's :class:`~.server.ViewServer` bound; then both taken away, so a
-closed view records nothing and listens nowhere) and :func:`handle`, the ``view`` socket
-method: ``{"action": "open" | "close" | "status" | "export", "last"?: N}``.
+Owns: :func:`install` (what ``codespec serve`` calls: the ``view`` socket method, the page
+at start when ``[view] enabled``, the page closed when the daemon stops; through the
+service's ``ADDED_METHODS`` / ``ON_START`` / ``ON_STOP``, as the service imports nothing
+of the view), :func:`open_view` / :func:`close_view` (a :class:`~.recorder.Recorder`
+handed to the scheduler and the page's server bound; then both taken away, so a closed
+view records nothing and listens nowhere), and :func:`handle`, the ``view`` method:
+``{"action": "open" | "close" | "status" | "export", "last"?: N}``.
 Must not touch: the scheduler's queue, the engine, frames.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from codespec.daemon.service import daemon, handlers
 from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError, parse
 from codespec.daemon.view.recorder import Recorder
-from codespec.daemon.view.server import ViewServer
+
+if TYPE_CHECKING:
+    from codespec.daemon.view.server import ViewServer
+
+log = logging.getLogger("codespec.daemon")
+
+_VIEWS: weakref.WeakKeyDictionary[Any, ViewServer] = weakref.WeakKeyDictionary()
 
 
 class ViewParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -23,8 +35,13 @@ class ViewParams(msgspec.Struct, forbid_unknown_fields=True):
     last: int | None = None  # export: the last N requests (default: every one kept)
 
 
+def current(srv: Any) -> ViewServer | None:
+    """The daemon's open view, or None."""
+    return _VIEWS.get(srv)
+
+
 def _state(srv: Any) -> dict[str, Any]:
-    view: ViewServer | None = getattr(srv, "view", None)
+    view = current(srv)
     if view is None:
         return {"open": False, "url": None, "recorded": 0}
     return {"open": True, "url": view.url, "recorded": len(view.recorder),
@@ -33,24 +50,38 @@ def _state(srv: Any) -> dict[str, Any]:
 
 async def open_view(srv: Any) -> dict[str, Any]:
     """Start recording and serving the page (once; a second open returns the same URL)."""
-    if getattr(srv, "view", None) is None:
-        recorder = Recorder(srv.config.view.ring)
-        view = ViewServer(srv, recorder)
+    if current(srv) is None:
+        from codespec.daemon.view.server import ViewServer  # aiohttp: once a view is asked
+
+        view = ViewServer(srv, Recorder(srv.config.view.ring))
         await view.start()
-        srv.view = view
-        srv.scheduler.view = recorder
+        _VIEWS[srv] = view
+        srv.scheduler.view = view.recorder
     return _state(srv)
 
 
 async def close_view(srv: Any) -> dict[str, Any]:
     """Stop recording, drop the records and stop listening."""
-    view: ViewServer | None = getattr(srv, "view", None)
+    view = _VIEWS.pop(srv, None)
     if view is not None:
         if srv.scheduler is not None:
             srv.scheduler.view = None
-        srv.view = None
         await view.close()
     return _state(srv)
+
+
+async def _start(srv: Any) -> None:
+    if srv.config.view.enabled:  # [view] enabled: the page from the start
+        log.info("view on %s", (await open_view(srv))["url"])
+
+
+def install() -> None:
+    """Give every daemon this process starts the view (idempotent)."""
+    handlers.ADDED_METHODS["view"] = handle
+    if _start not in daemon.ON_START:
+        daemon.ON_START.append(_start)
+    if close_view not in daemon.ON_STOP:
+        daemon.ON_STOP.append(close_view)
 
 
 def handle(srv: Any, raw: Any) -> Any:
@@ -62,7 +93,7 @@ def handle(srv: Any, raw: Any) -> Any:
         return close_view(srv)
     if p.action == "status":
         return _state(srv)
-    view: ViewServer | None = getattr(srv, "view", None)
+    view = current(srv)
     if view is None:
         raise ProtocolError(
             BAD_PARAMS, "the view is not open, so nothing was recorded (codespec view opens it)"
