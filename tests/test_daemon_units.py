@@ -205,7 +205,8 @@ def test_edit_uses_the_chat_template(chat_engine, tmp_path):
     assert ep.mode == "chat" and ep.draft_ids == chat_engine.encode(text[10:27])
     prompt = chat_engine.decode(ep.prompt_ids)
     assert "### system" in prompt and "add a docstring" in prompt
-    assert prompt.endswith("### assistant\n") and "<region>\n    return x + 1\n</region>" in prompt
+    assert "### user\nadd a docstring\n\n```python\n    return x + 1\n```\n" in prompt
+    assert prompt.endswith("### assistant\n```python\n")  # the reply begins inside a fence
     srv = ServerThread(daemon_config(tmp_path), chat_engine)
     try:
         with Client(srv.socket_path) as c:
