@@ -43,7 +43,9 @@ def head_text(text: str, end: int, chars: int) -> str:
 @dataclass
 class Prepared:
     """A request ready for the scheduler: the prompt, the healing constraint for the
-    engine, the tracker that reads the output back as text, the draft text's ids."""
+    engine, the tracker that reads the output back as text, the draft text's ids. An
+    empty ``prompt_ids``: nothing to complete (a blank document); the caller answers
+    with an empty completion instead of running the model."""
 
     prompt_ids: list[int]
     constraint: Any
