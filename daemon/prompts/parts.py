@@ -13,7 +13,6 @@ from typing import Any
 from codespec.daemon.text.tracker import TextTracker
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
-COLD_BLOCK = 64  # the same for a cold spot's short window (see CompletionPrompt.cold_ids)
 SUFFIX_TOKENS = 128  # the most suffix tokens a prompt carries (all re-fed per keystroke)
 CHARS_PER_TOKEN_CAP = 12  # text read around the cursor: budget * this many characters
 
@@ -52,7 +51,6 @@ class Prepared:
     tracker: TextTracker
     draft_ids: list[int] | None = None
     mode: str = ""
-    cold_ids: list[int] | None = None  # a shorter prompt for a cold spot (completions)
 
 
 def next_lines(after: str) -> tuple[str, ...]:
