@@ -125,10 +125,9 @@ def edit_prompt(
     context_tokens: int | None = None,
 ) -> EditPrompt:
     """The prompt that regenerates ``text[start:end]``; ``draft`` is the old region or
-    the caller's prediction. In every mode the model reads the draft right before it
-    writes the region, so copying it is one n-gram lookup away. The prompt carries at
-    most ``context_tokens`` tokens of surrounding code besides the draft (default: as
-    much as the model's context holds).
+    the caller's prediction, read by the model right before it writes the region (a
+    copy is one n-gram lookup away). At most ``context_tokens`` tokens of surrounding
+    code besides the draft (default: as much as the model's context holds).
 
     - ``fim`` (``auto`` for models with FIM tokens and no chat template): prefix = text
       before the region + the draft + a line break (+ the instruction as a comment),
@@ -153,11 +152,10 @@ def edit_prompt(
         budget = min(budget, context_tokens + 2 * len(draft_ids) + 64)
     if len(draft_ids) + 16 > budget:
         raise ProtocolError(BAD_PARAMS, "the region is too long for the model's context")
-    chars = budget * CHARS_PER_TOKEN_CAP
-    before = head_text(text, start, chars)
-    after = text[end : end + chars]
     if mode == "chat":
         return _chat_edit(engine, draft, draft_ids, instruction, budget, language)
+    chars = budget * CHARS_PER_TOKEN_CAP
+    before, after = head_text(text, start, chars), text[end : end + chars]
     if mode == "fim" and engine.fim is None:
         raise ProtocolError(BAD_PARAMS, "the model has no FIM tokens")
     copy = draft if draft.endswith("\n") or not draft else draft + "\n"
