@@ -290,52 +290,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """Ask the daemon to shut down (``shutdown``) and wait until its process is gone."""
-    from codespec.daemon.client import Client, DaemonError, default_socket_path
+    from codespec.daemon.client import DaemonError, default_socket_path, stop_daemon
 
     path = args.socket or default_socket_path()
     try:
-        client = Client(path)
-    except DaemonError:
-        print(f"codespec: no daemon is running on {path}")
-        return 0
-    with client:
-        try:
-            pid = int(client.request("stats")["pid"])
-            client.request("shutdown")
-        except (DaemonError, KeyError) as exc:
-            raise CliError(f"the daemon on {path} did not take the request: {exc}") from None
-    if not _wait_gone(path, pid, args.timeout):
-        raise CliError(f"the daemon (pid {pid}) on {path} is still running after {args.timeout} s")
-    print(f"codespec: stopped the daemon (pid {pid}) on {path}")
+        pid = stop_daemon(path, args.timeout)
+    except DaemonError as exc:
+        raise CliError(f"stopping the daemon on {path}: {exc.message}") from None
+    print(f"codespec: stopped the daemon (pid {pid}) on {path}" if pid is not None
+          else f"codespec: no daemon is running on {path}")  # fmt: skip
     return 0
-
-
-def _wait_gone(path: str, pid: int, timeout: float) -> bool:
-    """Whether the socket file and process ``pid`` were gone within ``timeout`` s."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while os.path.exists(path) or not _exited(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _exited(pid: int) -> bool:
-    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process of that number: ours is gone
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _config_path() -> str:
