@@ -24,7 +24,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     max_documents = 512       # open documents before `overloaded`
     max_document_chars = 4000000
     context_tokens = 1024     # prompt tokens a completion carries at most
-    kv_slots = 8              # KV caches kept for recent prompts (23 KB per cached token)
+    kv_slots = 8              # KV caches kept for recent prompts (23 KB a token on SmolLM2)
 
     [speculation]
     default = "auto"          # auto | off | a proposer's name
@@ -92,7 +92,7 @@ class Limits(_Section):
     context_tokens: Annotated[int, Meta(ge=64)] = 1024
     # KV caches the engine keeps, one per recent prompt (the active one and idle ones), so
     # that requests on other documents do not evict each other's prefixes. A cache's
-    # memory is what its cached tokens fill (23 KB a token for the default model; the
+    # memory is what its cached tokens fill (23 KB a token for SmolLM2-135M; the
     # rest of its 8,192 tokens stays unmapped zero pages: qstack.cache), ~25-50 MB for a
     # completion's prompt; so 8 by default (4 when every cache took ~190 MB): switching
     # among up to 8 files keeps each one's prefix (a cold 1,000-token prefill is ~2.5 s on

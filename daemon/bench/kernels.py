@@ -1,6 +1,6 @@
 """`codespec bench kernels`: micro-benchmark of the quantized-weight products.
 
-Owns one measurement: for the default model's matrix shapes (SmolLM2-135M: 576->960
+Owns one measurement: for SmolLM2-135M's matrix shapes (576->960
 q+k+v, 576->576 o, 576->3072 gate+up, 1536->576 down in Q4_1; the 49152x576 LM head in
 Q8_0) and rows M in 1, 2, 4, 8, 16, the time of one product ``x @ W^T`` by
 
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from codespec.daemon.engine import cpu_gemm, quant_gemm
 
-# name, inputs k, outputs n, GGUF block type (the default model's)
+# name, inputs k, outputs n, GGUF block type (SmolLM2-135M's)
 SHAPES = [
     ("qkv", 576, 960, "Q4_1"),
     ("o", 576, 576, "Q4_1"),

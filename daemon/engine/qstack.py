@@ -151,7 +151,7 @@ def cache(layers: int, kv_heads: int, head_dim: int, max_length: int) -> torch.T
 
     An anonymous memory map, not zeros written: its pages are the system's zero page
     until the stack writes them, so a cache costs the memory its cached tokens fill (23
-    KB a token on the default model), not its whole length's (~190 MB at 8,192 tokens),
+    KB a token on SmolLM2-135M), not its whole length's (~190 MB at 8,192 tokens),
     which lets the engine keep several (``limits.kv_slots``). Each head's keys and
     values fill from their start. (``torch.zeros`` writes every page; numpy's zeroed
     arrays ask for huge pages, 2 MB a touch.) The tensor keeps the map alive."""

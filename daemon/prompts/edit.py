@@ -29,7 +29,7 @@ from codespec.daemon.text.tracker import TextTracker, region_shape
 
 # An edit's drafts may run this long at least (a longer config max_draft stands): its old
 # region or prediction is copied in long runs, and the policy cuts each draft to the part
-# that pays. Measured on the default model (`codespec bench edit.jsonl`, the 2026-12-04
+# that pays. Measured on SmolLM2-135M (`codespec bench edit.jsonl`, the 2026-12-04
 # 12:45 block of BENCHMARKS.md): ngram 2.77x of off with 16 draft tokens, 3.03x with 64.
 EDIT_DRAFT = 64
 

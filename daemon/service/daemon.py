@@ -139,7 +139,7 @@ class Server:
             # the policy's first cost table: a few timed forwards, before the first request
             seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
             # the default method's proposers built once, so that a head (the EAGLE head
-            # shipped with the default model) loads now and not inside the first completion
+            # shipped for SmolLM2-135M) loads now and not inside the first completion
             await asyncio.to_thread(_preload, self.engine, self.config.speculation.default)
         self.index = self._load_index()
         from codespec.ngram_index import native as index_native
