@@ -49,9 +49,6 @@ GGUF_NAME = "model.gguf"
 HF_DIR = "hf"  # inside a model folder: the converted checkpoint (hf_checkpoint)
 HF_MANIFEST = "codespec-hf.json"
 MODEL_ENV = "CODESPEC_MODEL"  # what --model is when none is given (a name, file or folder)
-OFFLINE_HINT = registry.OFFLINE_HINT
-
-__all__ = ["DEFAULT_NAME", "REGISTRY", "NamedModel"]
 
 
 class ModelError(RuntimeError):
