@@ -99,6 +99,15 @@ def _end(text: str) -> dict[str, int]:
     return {"line": len(lines) - 1, "character": len(lines[-1])}
 
 
+def _first_delta(c: Client, rid: int) -> None:
+    """Read until request ``rid``'s first frame, which must be a delta (not its end)."""
+    while True:
+        frame = c.read_frame()
+        if frame.get("id") == rid:
+            assert frame.get("event") == "delta", frame
+            return
+
+
 def test_completion_streams_and_matches_its_result(daemon):
     with Client(daemon, timeout=120) as c:
         _open(c, "file:///a.py", CODE)
@@ -119,9 +128,14 @@ def test_edit_through_the_server(daemon):
     text = "def area(r):\n    return 3.14 * r * r\n"
     with Client(daemon, timeout=120) as c:
         _open(c, "file:///e.py", text)
-        r = c.request("edit", {"uri": "file:///e.py", "start": {"line": 1, "character": 0},
-                               "end": {"line": 2, "character": 0},
-                               "draft": "    return 3.14 * r * r\n", "max_tokens": 24})  # fmt: skip
+        rng = {"start": {"line": 1, "character": 0}, "end": {"line": 2, "character": 0}}
+        params = {"uri": "file:///e.py", "range": rng, "max_tokens": 24,
+                  "prediction": "    return 3.14 * r ** 2\n"}  # fmt: skip
+        r = c.request("edit", params)
+        again = c.request("edit", params)
+        s = c.request("stats")
+    assert again["text"] == r["text"]
+    assert "not supported" in s["backend"]["predicted_outputs"]
     assert r["stats"]["tokens"] > 0 and isinstance(r["text"], str)
 
 
@@ -129,11 +143,7 @@ def test_cancel_mid_stream_frees_the_request(daemon):
     with Client(daemon, timeout=120) as c:
         rid = c.send("generate", {"prompt": "def fibonacci(n):\n", "max_tokens": 400,
                                   "stream": True})  # fmt: skip
-        got: list[str] = []
-        while not got:  # the first delta: the server is streaming
-            frame = c.read_frame()
-            if frame.get("event") == "delta" and frame["id"] == rid:
-                got.append(frame["text"])
+        _first_delta(c, rid)  # the server is streaming
         c.request("cancel", {"id": rid})
         with pytest.raises(DaemonError) as err:
             c.wait(rid)
@@ -149,12 +159,9 @@ def test_server_killed_mid_request_then_back_with_ngram(daemon, server):
     error code, the daemon stays up and says the backend is down; a new server (n-gram
     speculation on) serves the next request on the same daemon."""
     with Client(daemon, timeout=120) as c:
-        rid = c.send("generate", {"prompt": "def quicksort(items):\n", "max_tokens": 2000,
+        rid = c.send("generate", {"prompt": "def quicksort(items):\n", "max_tokens": 1000,
                                   "stream": True})  # fmt: skip
-        while True:
-            frame = c.read_frame()
-            if frame.get("event") == "delta" and frame["id"] == rid:
-                break
+        _first_delta(c, rid)
         threading.Thread(target=server.kill).start()
         with pytest.raises(DaemonError) as err:
             c.wait(rid)

@@ -42,6 +42,12 @@ log = logging.getLogger("codespec.daemon")
 # Text both tokenizers must split into the same ids (code, spaces, a non-ASCII letter)
 PROBE_TEXT = "def add(a, b):\n    return a + b  # sum\n\tif x != 'é':\n"
 RETRY_DELAY_S = 0.25  # before the first retry; doubles per retry
+# An edit's prediction reaches the server only inside the prompt: vLLM's completions API
+# (0.32) has no ``prediction``; its n-gram speculation drafts from the prompt instead
+PREDICTED_OUTPUTS = (
+    "not supported by vLLM's completions API: edits decode with the server's own "
+    "speculation (its n-gram lookup drafts from the prompt, which holds the prediction)"
+)
 HEALTH_TIMEOUT_S = 2.0  # the status check's limit: it runs on the daemon's event loop
 
 
@@ -175,6 +181,7 @@ class RemoteEngine:
             "authenticated": self.client.authenticated,
             "requests": self.requests,
             "retried": self.retried,
+            "predicted_outputs": PREDICTED_OUTPUTS,
         }
         try:
             names = [str(m["id"]) for m in self._served(HEALTH_TIMEOUT_S)]
