@@ -2,9 +2,11 @@
 
 Tiny random models written by the test itself with ``gguf.GGUFWriter`` (``tests/ggufs.py``):
 llama (q/k rows permuted by llama.cpp's convention, un-permuted on load) with Q8_0, Q4_1,
-Q4_K or Q6_K matrices, and qwen2 (q/k/v biases, no permutation). gguf quantizes Q8_0 and
-Q4_1 itself; K-quant blocks are random bytes with small random fp16 scales (gguf cannot
-quantize them), so the weights are what gguf dequantizes them to.
+Q4_K or Q6_K matrices, and qwen2 (q/k/v biases, no permutation) with Q4_1 matrices or
+Qwen2.5-Coder-0.5B's mix (Q5_0, v Q8_0 so q/k/v are not fused, a Q5_1 ffn_down, a separate
+Q8_0 LM head). gguf quantizes Q8_0, Q4_x and Q5_x itself; K-quant blocks are random
+bytes with small random fp16 scales (gguf cannot quantize them), so the weights are what
+gguf dequantizes them to.
 
 Checked: logits within tolerance of transformers' model of the same file
 (``from_pretrained(gguf_file=...)``, dequantized fp32) through prefill, decode, chains,
@@ -70,10 +72,15 @@ def _random_kquant(data: np.ndarray, qt, rng: np.random.Generator) -> np.ndarray
     return raw.reshape(rows, k // bk * size)
 
 
+# Other block types by tensor kind, per main type (``write_gguf``'s ``types``).
+MIXES = {"Q5_0": {"attn_v": "Q8_0", "ffn_down": "Q5_1", "output": "Q8_0"}}
+
+
 def _write(path: Path, qtype: str, arch: str = "llama", seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if qtype not in KQUANT_SCALE:
-        return write_gguf(path, arch=arch, qtype=qtype, seed=seed, **SHAPE)
+        mix = MIXES.get(qtype)
+        return write_gguf(path, arch=arch, qtype=qtype, seed=seed, mix=mix, **SHAPE)
     real = gguf.quants.quantize
     rng = np.random.default_rng(seed)
 
@@ -139,7 +146,7 @@ def _bf16_attention(module, query, key, value, attention_mask, scaling, **_):
 
 ATTENTIONS = ["fp32", "bf16"]  # the stack's (qstack.ATTENTION)
 CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "Q4_K"), ("llama", "Q6_K")]
-CASES += [("qwen2", "Q4_1")]
+CASES += [("qwen2", "Q4_1"), ("qwen2", "Q5_0")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
@@ -247,16 +254,20 @@ def _run(runner: LeanRunner, v: int) -> list[torch.Tensor]:
     return out
 
 
+def _lesser_isas() -> list[str]:
+    """The paths this CPU runs below its best (the portable one first)."""
+    return quant_gemm.available_isas()[:-1] if quant_gemm.library() is not None else []
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("isa", _lesser_isas())
 def test_fallback_paths_give_the_same_logits(
     model_file: Path, isa: str, attention: str, monkeypatch
 ) -> None:
-    """CODESPEC_QGEMM_ISA forces the products' and the stack's path: the plain C++ one (and
-    AVX2 where AVX-512 is the default) gives the very logits of the default path (with bf16
-    attention: FMAs in vdpbf16ps's order where the default path may run vdpbf16ps)."""
-    if not quant_gemm.isa_supported(isa):
-        pytest.skip(f"this CPU cannot run the {isa} path")
+    """CODESPEC_QGEMM_ISA forces the products' and the stack's path: every other path this
+    CPU runs (the plain C++ one, and AVX2 where AVX-512 is the default) gives the very
+    logits of the default path (with bf16 attention: FMAs in vdpbf16ps's order where the
+    default path may run vdpbf16ps)."""
     best = LeanRunner.from_gguf(model_file, max_length=96, attention=attention)
     ref = _run(best, best.vocab_size)
     monkeypatch.setenv(quant_gemm.ISA_ENV, isa)
@@ -804,7 +815,7 @@ def test_header_parser_agrees_with_gguf(model_file: Path) -> None:
         assert np.array_equal(mine.raw(t.name), np.asarray(t.data).view(np.uint8).reshape(-1))
     cfg = gguf_weights.config_from_meta(mine)
     assert (cfg.hidden_size, cfg.num_hidden_layers) == (SHAPE["hidden"], SHAPE["layers"])
-    assert cfg.tie_word_embeddings
+    assert cfg.tie_word_embeddings == ("output.weight" not in mine.tensors)
 
 
 def test_model_folder_loads_from_the_blocks(tmp_path: Path) -> None:

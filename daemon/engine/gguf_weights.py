@@ -34,9 +34,9 @@ import torch
 from codespec.daemon.engine import quant_gemm
 
 GGUF_MAGIC = b"GGUF"
-# GGML type id -> (values per block, bytes per block) for the types this module reads.
-TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K"}
-TYPE_NAMES.update({14: "Q6_K", 30: "BF16"})
+# GGML type id -> name, and name -> (values per block, bytes per block), for the types this
+# module reads: the floats and every block type the kernel reads.
+TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", **{i: n for n, i in quant_gemm.QTYPES.items()}}
 SIZES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), **quant_gemm.BLOCKS}
 ARCHITECTURES = ("llama", "qwen2")
 # metadata value types: fixed-size scalars (struct format), 8 string, 9 array

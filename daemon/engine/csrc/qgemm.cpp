@@ -1,7 +1,7 @@
 // Products with GGUF block-quantized weights on the CPU (codespec.daemon.quant_gemm).
 //
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) (+ res[M, N]), x fp32, W one of GGUF's block
-// types Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, kept in its own bytes: no fp32 or fp16 copy
+// types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, kept in its own bytes: no fp32 or fp16 copy
 // of the weights ever exists. Weights are widened to fp32 inside the kernel, exactly:
 // w = fma(scale, q, off) with q the block's integer quant as a float and scale / off
 // the block's fp16 scale and min (or the K-quants' d * sc and -dmin * m, exact products
@@ -11,17 +11,19 @@
 // Layout (made once by cs_q_pack from the GGUF rows): output rows are taken 16 at a time
 // ("panels", padded with zero blocks to a multiple of 16). One panel block holds its 16
 // rows' blocks side by side:
-//   header: the 16 rows' scales (fp16 d[16], then Q4_1's m[16] / the K-quants' dmin[16],
+//   header: the 16 rows' scales (fp16 d[16], then Q4_1's / Q5_1's m[16] / the K-quants'
+//           dmin[16],
 //           then the K-quants' sub-block scales, re-encoded 16 columns wide),
 //   groups: BK / 4 groups of four consecutive k, each holding 16 columns x 4 k values:
 //     N4 (4-bit quants, 32 bytes): byte 4i + t holds (column i, k t) in its low nibble and
 //        (column 8 + i, k t) in its high nibble;
 //     B4 (Q8_0, 64 bytes): byte 4c + t holds (column c, k t);
-//     P4 (a bit plane, 8 bytes, Q5_K's bit 4 and Q6_K's bits 4 and 5): bit 4c + t.
+//     P4 (a bit plane, 8 bytes, Q5_0's, Q5_1's and Q5_K's bit 4, Q6_K's bits 4 and 5):
+//        bit 4c + t (after the N4 bytes of the group).
 // Panels are stored four at a time (GROUP), interleaved so that the four are one stream:
 // block b of a group holds the four headers, then group 0 of each panel, group 1 of each,
 // and so on. A panel block has exactly the bytes of its 16 GGUF blocks (16 x 34, 18, 20,
-// 144, 176 or 210). Expanding a group gives, per column c, a 32-bit lane whose byte t is
+// 22, 24, 144, 176 or 210). Expanding a group gives, per column c, a 32-bit lane whose byte t is
 // the quant of k t: the layout AVX-512 wants (one zmm of 16 columns), AVX2 too (two ymm
 // of 8), and the one integer dot products (vpdpbusd / vpmaddubsw: 4 bytes per lane) want.
 //
@@ -62,7 +64,16 @@
 
 namespace {
 
-constexpr int T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14;
+constexpr int T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12,
+              T_Q5_K = 13, T_Q6_K = 14;
+
+// The types whose groups carry one bit plane (the quants' bit 4: 5-bit quants, 0 .. 31).
+template <int T>
+constexpr bool five_bit = T == T_Q5_0 || T == T_Q5_1 || T == T_Q5_K;
+constexpr bool has_min(int t) { return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K; }
+constexpr int planes(int t) {
+  return t == T_Q6_K ? 2 : t == T_Q5_0 || t == T_Q5_1 || t == T_Q5_K ? 1 : 0;
+}
 
 // Per type: k per block, bytes per GGUF block, k per sub-block (one scale), where the
 // groups start in a panel block, bytes per group.
@@ -74,6 +85,8 @@ struct TrOf {
 template <> struct Tr<T_Q8_0> : TrOf<32, 34, 32, 32, 64> {};
 template <> struct Tr<T_Q4_0> : TrOf<32, 18, 32, 32, 32> {};
 template <> struct Tr<T_Q4_1> : TrOf<32, 20, 32, 64, 32> {};
+template <> struct Tr<T_Q5_0> : TrOf<32, 22, 32, 32, 40> {};
+template <> struct Tr<T_Q5_1> : TrOf<32, 24, 32, 64, 40> {};
 template <> struct Tr<T_Q4_K> : TrOf<256, 144, 32, 256, 32> {};
 template <> struct Tr<T_Q5_K> : TrOf<256, 176, 32, 256, 40> {};
 template <> struct Tr<T_Q6_K> : TrOf<256, 210, 16, 288, 48> {};
@@ -89,6 +102,8 @@ bool desc_of(int t, Desc& d) {
     QG_DESC(T_Q8_0)
     QG_DESC(T_Q4_0)
     QG_DESC(T_Q4_1)
+    QG_DESC(T_Q5_0)
+    QG_DESC(T_Q5_1)
     QG_DESC(T_Q4_K)
     QG_DESC(T_Q5_K)
     QG_DESC(T_Q6_K)
@@ -162,6 +177,21 @@ void decode_native(int t, const uint8_t* b, Blk& o) {
       }
       break;
     }
+    case T_Q5_0:
+    case T_Q5_1: {  // d, (Q5_1: m), 32 high bits (bit i: quant i), 16 bytes of nibbles
+      o.d = rd16(b);
+      const uint8_t* qh = b + 2;
+      if (t == T_Q5_1) {
+        o.m = rd16(b + 2);
+        qh = b + 4;
+      }
+      const uint8_t* qs = qh + 4;
+      for (int i = 0; i < 16; ++i) {
+        o.q[i] = (qs[i] & 15) | (((qh[i / 8] >> (i % 8)) & 1) << 4);
+        o.q[i + 16] = (qs[i] >> 4) | (((qh[2 + i / 8] >> (i % 8)) & 1) << 4);
+      }
+      break;
+    }
     case T_Q4_K:
     case T_Q5_K: {
       o.d = rd16(b);
@@ -211,6 +241,20 @@ void encode_native(int t, const Blk& o, uint8_t* b) {
       for (int i = 0; i < 16; ++i) qs[i] = (o.q[i] & 15) | (o.q[i + 16] << 4);
       break;
     }
+    case T_Q5_0:
+    case T_Q5_1: {
+      wr16(b, o.d);
+      uint8_t* qh = b + 2;
+      if (t == T_Q5_1) {
+        wr16(b + 2, o.m);
+        qh = b + 4;
+      }
+      uint8_t* qs = qh + 4;
+      memset(qh, 0, 4);
+      for (int i = 0; i < 32; ++i) qh[i / 8] |= ((o.q[i] >> 4) & 1) << (i % 8);
+      for (int i = 0; i < 16; ++i) qs[i] = (o.q[i] & 15) | ((o.q[i + 16] & 15) << 4);
+      break;
+    }
     case T_Q4_K:
     case T_Q5_K: {
       wr16(b, o.d);
@@ -253,7 +297,7 @@ void pack_block(int t, const Blk* col, uint8_t* p) {
   desc_of(t, ds);
   memset(p, 0, 16 * ds.native);
   for (int c = 0; c < 16; ++c) wr16(p + 2 * c, col[c].d);
-  if (t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K)
+  if (has_min(t))
     for (int c = 0; c < 16; ++c) wr16(p + 32 + 2 * c, col[c].m);
   if (t == T_Q4_K || t == T_Q5_K) {
     for (int j = 0; j < 8; ++j) {
@@ -279,8 +323,8 @@ void pack_block(int t, const Blk* col, uint8_t* p) {
         }
       }
     }
-    if (t == T_Q5_K || t == T_Q6_K) {
-      for (int plane = 0; plane < (t == T_Q6_K ? 2 : 1); ++plane) {
+    if (planes(t)) {
+      for (int plane = 0; plane < planes(t); ++plane) {
         uint64_t bits = 0;
         for (int c = 0; c < 16; ++c)
           for (int k = 0; k < 4; ++k)
@@ -297,7 +341,7 @@ void unpack_block(int t, const uint8_t* p, Blk* col) {
   for (int c = 0; c < 16; ++c) {
     col[c] = Blk();
     col[c].d = rd16(p + 2 * c);
-    if (t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K) col[c].m = rd16(p + 32 + 2 * c);
+    if (has_min(t)) col[c].m = rd16(p + 32 + 2 * c);
   }
   if (t == T_Q4_K || t == T_Q5_K) {
     for (int j = 0; j < 8; ++j) {
@@ -313,8 +357,8 @@ void unpack_block(int t, const uint8_t* p, Blk* col) {
       for (int c = 0; c < 16; ++c) col[c].sc[j] = p[32 + 16 * j + c];
   for (int g = 0; g < ds.bk / 4; ++g) {
     const uint8_t* gp = p + ds.goff + g * ds.gb;
-    const uint64_t h0 = (t == T_Q5_K || t == T_Q6_K) ? rd64(gp + 32) : 0;
-    const uint64_t h1 = t == T_Q6_K ? rd64(gp + 40) : 0;
+    const uint64_t h0 = planes(t) >= 1 ? rd64(gp + 32) : 0;
+    const uint64_t h1 = planes(t) == 2 ? rd64(gp + 40) : 0;
     for (int c = 0; c < 16; ++c) {
       for (int k = 0; k < 4; ++k) {
         uint8_t v;
@@ -361,6 +405,8 @@ void scale_off(int t, const Blk& b, int j, float& scale, float& off) {
     case T_Q8_0: scale = d; off = 0.0f; break;
     case T_Q4_0: scale = d; off = d * -8.0f; break;
     case T_Q4_1: scale = d; off = h2f(b.m); break;
+    case T_Q5_0: scale = d; off = d * -16.0f; break;
+    case T_Q5_1: scale = d; off = h2f(b.m); break;
     case T_Q4_K:
     case T_Q5_K:
       scale = d * static_cast<float>(b.sc[j]);
@@ -594,7 +640,7 @@ inline I group(const uint8_t* g) {
     I z = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
     const I sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     z = _mm512_and_si512(_mm512_srlv_epi16(z, sh), _mm512_set1_epi8(15));
-    if constexpr (T == T_Q5_K || T == T_Q6_K)
+    if constexpr (five_bit<T> || T == T_Q6_K)
       z = _mm512_mask_add_epi8(z, _cvtu64_mask64(rd64(g + 32)), z, _mm512_set1_epi8(16));
     if constexpr (T == T_Q6_K)
       z = _mm512_mask_add_epi8(z, _cvtu64_mask64(rd64(g + 40)), z, _mm512_set1_epi8(32));
@@ -606,13 +652,13 @@ template <int T, int t>
 inline V quant(I z) {
   if constexpr (T == T_Q8_0) {
     return _mm512_cvtepi32_ps(byte_s<t>(z));
-  } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q4_K || T == T_Q5_K) {
+  } else if constexpr (T != T_Q6_K) {  // 4- and 5-bit quants
     // a table lookup instead of a conversion: vpermps reads the low 4 (vpermt2ps: 5) bits
     // of each lane, so byte t only needs shifting down, and the float comes out directly
     // (conversions share the FMA pipes on Zen 4; permutes do not)
     const V lo = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const I idx = t == 0 ? z : _mm512_srli_epi32(z, 8 * t);
-    if constexpr (T == T_Q5_K) {
+    if constexpr (five_bit<T>) {
       const V hi = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
       return _mm512_permutex2var_ps(lo, idx, hi);
     } else {
@@ -635,7 +681,10 @@ inline void scales(const uint8_t* p, int j, V& sc, V& off) {
   } else if constexpr (T == T_Q4_0) {
     sc = d;
     off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-  } else if constexpr (T == T_Q4_1) {
+  } else if constexpr (T == T_Q5_0) {
+    sc = d;
+    off = _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
+  } else if constexpr (T == T_Q4_1 || T == T_Q5_1) {
     sc = d;
     off = h16(p + 32);
   } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
@@ -808,6 +857,8 @@ void dequant_panel(int t, const Ref& r, int64_t K, float* S) {
     case T_Q8_0: widen_run<T_Q8_0>(r, 1, K, S); break;
     case T_Q4_0: widen_run<T_Q4_0>(r, 1, K, S); break;
     case T_Q4_1: widen_run<T_Q4_1>(r, 1, K, S); break;
+    case T_Q5_0: widen_run<T_Q5_0>(r, 1, K, S); break;
+    case T_Q5_1: widen_run<T_Q5_1>(r, 1, K, S); break;
     case T_Q4_K: widen_run<T_Q4_K>(r, 1, K, S); break;
     case T_Q5_K: widen_run<T_Q5_K>(r, 1, K, S); break;
     case T_Q6_K: widen_run<T_Q6_K>(r, 1, K, S); break;
@@ -881,7 +932,7 @@ inline I2 group(const uint8_t* g) {
     const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
     const I m15 = _mm256_set1_epi8(15);
     I2 z = {_mm256_and_si256(v, m15), _mm256_and_si256(_mm256_srli_epi16(v, 4), m15)};
-    if constexpr (T == T_Q5_K || T == T_Q6_K) {
+    if constexpr (five_bit<T> || T == T_Q6_K) {
       const uint64_t h = rd64(g + 32);
       const I b16 = _mm256_set1_epi8(16);
       z.lo = _mm256_or_si256(z.lo, _mm256_and_si256(bits_to_bytes(uint32_t(h)), b16));
@@ -915,7 +966,11 @@ inline void scales(const uint8_t* p, int j, V2& sc, V2& off) {
     sc = d;
     const V m8 = _mm256_set1_ps(-8.0f);
     off = {_mm256_mul_ps(d.lo, m8), _mm256_mul_ps(d.hi, m8)};
-  } else if constexpr (T == T_Q4_1) {
+  } else if constexpr (T == T_Q5_0) {
+    sc = d;
+    const V m16 = _mm256_set1_ps(-16.0f);
+    off = {_mm256_mul_ps(d.lo, m16), _mm256_mul_ps(d.hi, m16)};
+  } else if constexpr (T == T_Q4_1 || T == T_Q5_1) {
     sc = d;
     off = {h8(p + 32), h8(p + 48)};
   } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
@@ -1105,6 +1160,8 @@ void dequant_panel(int t, const Ref& r, int64_t K, float* S) {
     case T_Q8_0: widen_run<T_Q8_0>(r, 1, K, S); break;
     case T_Q4_0: widen_run<T_Q4_0>(r, 1, K, S); break;
     case T_Q4_1: widen_run<T_Q4_1>(r, 1, K, S); break;
+    case T_Q5_0: widen_run<T_Q5_0>(r, 1, K, S); break;
+    case T_Q5_1: widen_run<T_Q5_1>(r, 1, K, S); break;
     case T_Q4_K: widen_run<T_Q4_K>(r, 1, K, S); break;
     case T_Q5_K: widen_run<T_Q5_K>(r, 1, K, S); break;
     case T_Q6_K: widen_run<T_Q6_K>(r, 1, K, S); break;
@@ -1145,6 +1202,8 @@ PanelFn pick(int isa, int t) {
     case T_Q8_0: return NS::panels<T_Q8_0>;          \
     case T_Q4_0: return NS::panels<T_Q4_0>;          \
     case T_Q4_1: return NS::panels<T_Q4_1>;          \
+    case T_Q5_0: return NS::panels<T_Q5_0>;          \
+    case T_Q5_1: return NS::panels<T_Q5_1>;          \
     case T_Q4_K: return NS::panels<T_Q4_K>;          \
     case T_Q5_K: return NS::panels<T_Q5_K>;          \
     case T_Q6_K: return NS::panels<T_Q6_K>;          \
@@ -1311,9 +1370,9 @@ int cs_qgemm(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uin
 // cs_qgemm_i8: x rounded to int8 per 32 k, integer dot products (llama.cpp's way). Not
 // exact: x's rounding error (up to half a step of max|x| / 127 per element) goes into
 // every output. For a block with scale s (and min term o), one sub-block contributes
-//   y += (s * dx) * float(sum_k q_k * xq_k - c * sum_k xq_k)   (c: 8 for Q4_0, 32 for Q6_K,
-//                                                               128 for Q8_0's biased q)
-//   y += o * (dx * float(sum_k xq_k))                          (Q4_1's m, K-quants' -dmin*m)
+//   y += (s * dx) * float(sum_k q_k * xq_k - c * sum_k xq_k)   (c: 8 for Q4_0, 16 for Q5_0,
+//                                                  32 for Q6_K, 128 for Q8_0's biased q)
+//   y += o * (dx * float(sum_k xq_k))             (Q4_1's and Q5_1's m, K-quants' -dmin*m)
 // in that order, sub-block after sub-block, for every M, thread count and ISA: the integer
 // sums are exact and the float steps the same, so rows again equal one-row products and
 // the paths agree bit for bit.
@@ -1365,8 +1424,10 @@ struct ArgsI8 {
 };
 
 // The constant c of the formula above (per type) and whether a min term exists.
-constexpr int i8_bias(int t) { return t == T_Q8_0 ? 128 : t == T_Q4_0 ? 8 : t == T_Q6_K ? 32 : 0; }
-constexpr bool i8_min(int t) { return t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K; }
+constexpr int i8_bias(int t) {
+  return t == T_Q8_0 ? 128 : t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0;
+}
+constexpr bool i8_min(int t) { return has_min(t); }
 
 void panels_i8_scalar(const ArgsI8& ai, int64_t p0, int64_t p1) {
   const Args& a = ai.a;
@@ -1791,12 +1852,12 @@ void quantize_blocks(const float* x, int64_t K, int64_t ldx, Xq& o, int64_t b0, 
 }
 
 // Groups of four k whose vpmaddubsw pair sums are added in 16 bits before widening to
-// 32: a pair sum is at most 2 * qmax * 127 (qmax 15 for the 4-bit quants, 31 Q5_K, 63
+// 32: a pair sum is at most 2 * qmax * 127 (qmax 15 for the 4-bit quants, 31 the 5-bit, 63
 // Q6_K, 128 Q8_0's |q|), so 8, 4, 2 and 1 of them stay below 2^15. The sums are exact
 // integers either way; only the instruction count changes.
 template <int T>
 constexpr int acc16() {
-  return T == T_Q8_0 ? 1 : T == T_Q6_K ? 2 : T == T_Q5_K ? 4 : 8;
+  return T == T_Q8_0 ? 1 : T == T_Q6_K ? 2 : five_bit<T> ? 4 : 8;
 }
 
 // acc += the 16 pair sums (16 bits) of four products per 32-bit lane, u8 quants z times
@@ -2014,6 +2075,8 @@ PanelFnI8 pick_i8(int isa, int t) {
     case T_Q8_0: return NS::panels<T_Q8_0>;          \
     case T_Q4_0: return NS::panels<T_Q4_0>;          \
     case T_Q4_1: return NS::panels<T_Q4_1>;          \
+    case T_Q5_0: return NS::panels<T_Q5_0>;          \
+    case T_Q5_1: return NS::panels<T_Q5_1>;          \
     case T_Q4_K: return NS::panels<T_Q4_K>;          \
     case T_Q5_K: return NS::panels<T_Q5_K>;          \
     case T_Q6_K: return NS::panels<T_Q6_K>;          \
