@@ -20,6 +20,7 @@ It knows nothing about runners, tokenizers or the engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
@@ -93,6 +94,16 @@ class GGUFFile:
         else:
             raise GGUFError(f"{name} is {t.type_name}, not a float tensor")
         return torch.from_numpy(arr.copy()).reshape(tuple(reversed(t.shape)))
+
+    def drop(self, name: str | None = None) -> None:
+        """Take a tensor's pages (None: the whole file's) out of this process once its bytes
+        are copied: the map's file pages count in its resident memory while they stay
+        mapped in; a later read maps them in again from the page cache."""
+        t = self.tensors[name] if name is not None else None
+        start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE if t else 0
+        end = t.offset + t.nbytes if t else len(self._map)
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise here:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)  # they stay mapped
 
 
 def _read_string(buf: memoryview, pos: int) -> tuple[str, int]:
@@ -281,15 +292,21 @@ def _group(g: GGUFFile, names: list[str], perms: list[np.ndarray | None], bias: 
             zeros = [torch.zeros(p[2]) for p in parts]
             b = torch.cat([x if x is not None else z for x, z in zip(biases, zeros, strict=True)])
         qm = quant_gemm.QuantMatrix.from_bytes(rows, parts[0][1], rows.shape[0], parts[0][3])
-        return [(qm, b)]
-    return [
-        (quant_gemm.QuantMatrix.from_bytes(r, kind, n, k), b)
-        for (r, kind, n, k), b in zip(parts, biases, strict=True)
-    ]
+        out = [(qm, b)]
+    else:
+        out = [
+            (quant_gemm.QuantMatrix.from_bytes(r, kind, n, k), b)
+            for (r, kind, n, k), b in zip(parts, biases, strict=True)
+        ]
+    for name in names:
+        g.drop(name + ".weight")
+    return out
 
 
 def load(g: GGUFFile, config: Any) -> GGUFWeights:
-    """Every weight of ``g`` as the lean runner holds it (see the module docstring)."""
+    """Every weight of ``g`` as the lean runner holds it (see the module docstring). Each
+    matrix's file pages leave the process once they are copied into its panels, so the
+    file and the panels are never resident together (:meth:`GGUFFile.drop`)."""
     why = unsupported(g, config)
     if why:
         raise GGUFError(f"{g.path.name}: {why}")
@@ -312,9 +329,11 @@ def load(g: GGUFFile, config: Any) -> GGUFWeights:
             }
         )
     embed = quant_gemm.QuantMatrix.from_bytes(*_rows_of(g, "token_embd.weight"))
+    g.drop("token_embd.weight")
     head = embed
     if "output.weight" in g.tensors:
         head = quant_gemm.QuantMatrix.from_bytes(*_rows_of(g, "output.weight"))
+    g.drop()  # also the pages that reading the norms faulted in around them
     return GGUFWeights(config, embed, head, g.floats("output_norm.weight"), layers, g.path)
 
 
