@@ -32,6 +32,7 @@ gguf = pytest.importorskip("gguf")
 from codespec import native  # noqa: E402
 from codespec.daemon.engine import cpu_gemm, quant_gemm  # noqa: E402
 from codespec.daemon.engine.quant_gemm import QuantMatrix  # noqa: E402
+from helpers import rounded_rows  # noqa: E402
 
 TYPES = list(quant_gemm.QTYPES)
 ROWS = [1, 2, 3, 4, 8, 16]
@@ -282,17 +283,6 @@ def _i8_isas() -> list[str]:
     if quant_gemm.i8_isa() == "avx512-vnni":
         isas.append("avx512-vnni")
     return isas
-
-
-def rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as linear_i8 sees it: per 32 inputs, step d = max|x| / 127 (fp32), q = x * (1 / d)
-    rounded half to even, clamped to +-127; returns q * d (float64)."""
-    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
-    d = np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)  # (M, K / 32, 1)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(xb * inv), -127, 127)
-    return torch.from_numpy((q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape))
 
 
 @needs_kernel

@@ -12,9 +12,11 @@ Checked: logits within tolerance of transformers' model of the same file
 (``from_pretrained(gguf_file=...)``, dequantized fp32) through prefill, decode, chains,
 a tree with ``keep`` and ``truncate`` (bf16 attention: against transformers' model with the
 same roundings in its attention); decode rows equal verify rows bit for bit (chain, tree,
-after keep); the scalar / AVX2 paths, one or two threads and (bf16 attention) the CPU's own
-bf16 dot products or FMAs give the very logits of the best path; the int8-activation
-option keeps rows bit-equal too; the header parser
+after keep); every path below the best this CPU runs (the plain C++ one, AVX2 under
+AVX-512), one or two threads and (bf16 attention) the CPU's own bf16 dot products or FMAs
+give the very logits of the best path; the int8-activation option keeps rows bit-equal too
+(it runs on every CPU: the int8 products have a plain C++ path, so no test skips for want
+of AVX2 or VNNI; ``CODESPEC_QGEMM_ISA=scalar`` runs this file on it); the header parser
 agrees with gguf's reader; a folder the model cache made from a GGUF loads from its
 blocks, an unsupported one is refused with a reason; the fast tokenizer answers as
 ``AutoTokenizer`` does.
@@ -337,8 +339,6 @@ def test_attention_tasks_fetch_their_next_tasks_keys_and_change_no_number(
     the keys and values of its thread's next task along them (cs_lean_att_lead lines a
     step); a one-pass task (a decode step) does not. Off, 1 and 4 lines a step, 1 and 2
     threads: the same logits bit for bit."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
     before = lib.cs_lean_att_lead(0)
@@ -415,8 +415,6 @@ def test_thread_shares_change_no_number(model_file: Path) -> None:
     thread (0.3, 0.45 and 0.6 cut the 16- and 8-panel matrices inside a group of four
     panels, leaving each thread 1, 2 or 3 of it: the passes over part of a group);
     adapting moves it within 0.25-0.75 and only for two threads."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
 
@@ -458,8 +456,6 @@ def test_sharing_out_by_rows_changes_no_number(model_file: Path) -> None:
     bit as by panels and as one thread, for a prefill, chains, a tree whose branches fall
     on both sides of the cut and any cut the thread shares give (0.25 / 0.75 of two), and
     on three threads (two cuts)."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
     runner = LeanRunner.from_gguf(model_file, max_length=128, int8=True)
@@ -521,8 +517,6 @@ def test_forwards_by_rows_keep_a_share_of_their_own(model_file: Path) -> None:
     decode step (by panels) moves the panels' fraction and leaves the rows' one as it was
     (a step's product balance used to move the next verification's cut), and a forward by
     rows moves the rows' one and leaves the panels'."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
     runner = LeanRunner.from_gguf(model_file, max_length=96, int8=True)
@@ -555,8 +549,6 @@ def test_forwards_by_rows_do_not_meet_at_every_layer(tmp_path: Path) -> None:
     """Shared out by tokens, a forward's threads do not all meet before each layer's
     attention (each waits only for the keys of the threads before it): its barrier rounds
     do not grow with the layers, where by panels they grow by several a layer."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
     rounds: dict[tuple[int, int], int] = {}
@@ -606,8 +598,6 @@ def test_one_region_forward_equals_a_region_per_product(model_file: Path, monkey
     barriers (spinning, or sleeping on a busy machine); the logits, taps and cache equal
     those of the forward that opens a region per product, for 1, 2 and 3 threads (3 on
     this 2-core machine: threads descheduled at the barriers), chains and trees."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
 
     def run(runner: LeanRunner) -> list[torch.Tensor]:
         v = runner.vocab_size
@@ -705,8 +695,6 @@ def test_a_greedy_draft_stops_the_lm_head_where_verification_ends(
     tree's accepted path's end); the rows it gives equal the full forward's bit for bit,
     the cache is the same (one-region and per-product forwards, int8 and exact products),
     and greedy verification of the rows given accepts what it accepts with every row."""
-    if int8 and not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     monkeypatch.setenv("CODESPEC_LEAN_REGIONS", regions)
     runner = LeanRunner.from_gguf(model_file, max_length=128, int8=int8)
     v = runner.vocab_size
@@ -757,8 +745,6 @@ def test_the_stack_names_each_rows_argmax(model_file: Path, regions: str, monkey
     """ForwardOut.best: each logit row's argmax as torch takes it, whichever thread computed
     which columns of the LM head (one thread or two, thread 0 holding none, some or all of
     them), with the head stopped early or not, a chain, a tree or one token."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     monkeypatch.setenv("CODESPEC_LEAN_REGIONS", regions)
     lib = quant_gemm.library()
     assert lib is not None
