@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         g = gguf_weights.read(path)
         config = gguf_weights.config_from_meta(g)
         runner = LeanRunner.from_gguf(g, config, max_length=max(depths) + 64, int8=int8)
-        name = str(g.meta.get("general.name", path.name))
+        name = path.parent.name if path.name == "model.gguf" else path.name
         runners[name] = (runner, streamed_bytes(runner))
         print(f"{name}: {'int8' if runner.int8 else 'exact'} products, {runner.attention}"
               f" attention, {runners[name][1] / 1e6:.1f} MB of blocks a step")  # fmt: skip
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {name: [] for name in runners}
         for runner, _ in runners.values():
             runner.reset()
-            runner.forward(torch.randint(100, 20000, (depth,), generator=gen).tolist(), True)
+            prompt = torch.randint(100, 20000, (depth,), generator=gen).tolist()
+            runner.forward(prompt, last_only=True)
             for _ in range(3):  # warm-up steps
                 runner.forward([5])
                 runner.truncate(depth)
