@@ -204,10 +204,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides=flags)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    if args.backend:  # a vLLM server decodes (codespec.daemon.backends)
+        config.backend.kind = args.backend
+    if args.backend_url:
+        config.backend.url = args.backend_url
+    from codespec.daemon.view.service import install
+
+    install()  # the `view` socket method; the page at start with [view] enabled
     try:
         return serve(config)
     except SocketInUse as exc:
-        raise CliError(f"{exc}; stop it first (codespec status shows it)") from None
+        raise CliError(f"{exc}; stop it first with `codespec stop`") from None
 
 
 def _daemon_client(socket_path: str | None):
@@ -234,6 +241,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"model      {s['model']} ({s['runner']} runner, {s['device']})")
     print(f"cpu kernel {s.get('cpu_kernel', 'off')}")
     print(f"kv slots   {s.get('kv_slots', '?')} (limits.kv_slots)")
+    print(f"pid        {s.get('pid', '?')} (codespec stop ends it)")
     print(f"uptime     {s['uptime_s']} s, {s['connections']} connection(s)")
     print(f"documents  {s['documents']} open")
     idx = s["index"]
@@ -244,6 +252,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{req['cancelled']} cancelled, {req['failed']} failed"
     )
     print(f"tokens/s   {s['tokens_per_s']}")
+    back = s.get("backend") or {}
+    if back.get("kind", "local") != "local":
+        print(f"backend    {back['kind']} at {back['url']}: {back['model']}, {back['health']}")
     for src, a in s["proposers"].items():
         print(f"proposer   {src}: {a['accepted']}/{a['drafted']} accepted ({a['acceptance']:.0%})")
     pol = s.get("policy") or {}
@@ -257,6 +268,67 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, state in (pol.get("weights") or {}).items():
         print(f"weights    {name}: {state}")
     return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Ask the daemon to shut down (``shutdown``) and wait until its process is gone."""
+    from codespec.daemon.client import Client, DaemonError, default_socket_path
+
+    path = args.socket or default_socket_path()
+    try:
+        client = Client(path)
+    except DaemonError:
+        print(f"codespec: no daemon is running on {path}")
+        return 0
+    with client:
+        try:
+            pid = int(client.request("stats")["pid"])
+            client.request("shutdown")
+        except (DaemonError, KeyError) as exc:
+            raise CliError(f"the daemon on {path} did not take the request: {exc}") from None
+    if not _wait_gone(path, pid, args.timeout):
+        raise CliError(f"the daemon (pid {pid}) on {path} is still running after {args.timeout} s")
+    print(f"codespec: stopped the daemon (pid {pid}) on {path}")
+    return 0
+
+
+def _wait_gone(path: str, pid: int, timeout: float) -> bool:
+    """Whether the socket file and process ``pid`` were gone within ``timeout`` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path) or not _exited(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process of that number: ours is gone
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _config_path() -> str:
+    from codespec.daemon.config import default_config_path
+
+    return str(default_config_path())
+
+
+def _state_dir() -> str:
+    from codespec.native import state_dir
+
+    return str(state_dir())
 
 
 # LSP language identifiers by file extension (the daemon picks comment syntax by them)
@@ -319,9 +391,27 @@ def cmd_complete(args: argparse.Namespace) -> int:
     return 0
 
 
-SOCKET_HELP = "the daemon's socket (default: $CODESPEC_SOCKET, else $XDG_RUNTIME_DIR/codespec/...)"
+def _socket_help() -> str:
+    from codespec.daemon.config import SOCKET_RULE, default_socket_path
+
+    return f"the daemon's socket (default here: {default_socket_path()}; the rule: {SOCKET_RULE})"
+
+
+SOCKET_HELP = _socket_help()
 SPECULATION_HELP = "auto (default), off, or one proposer's name (ngram, eagle, ...)"
 MAX_TOKENS_HELP = "the most tokens to generate"
+
+
+def _complete_tokens_help() -> str:
+    from codespec.daemon.prompts import limits
+
+    return (
+        f"the most tokens to generate (default: {limits.LINE_TOKENS} for one line, which "
+        f"ends at the line's end first; {limits.BLOCK_TOKENS} with --multiline)"
+    )
+
+
+COMPLETE_TOKENS_HELP = _complete_tokens_help()
 
 
 def _bench_help() -> str:
@@ -353,13 +443,22 @@ def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", default=None, choices=DEVICES, help=DEVICE_HELP)
     s.add_argument("--runner", default=None, choices=RUNNERS, help=RUNNER_HELP)
     s.add_argument("--socket", default=None, help=SOCKET_HELP)
-    s.add_argument("--config", default=None, help="config file (default: ~/.config/codespec/...)")
+    s.add_argument("--config", default=None, help=f"config file (default: {_config_path()})")
+    s.add_argument("--backend", default=None, choices=("local", "vllm"),
+                   help="who decodes: the daemon or a vLLM server ([backend] kind)")  # fmt: skip
+    s.add_argument("--backend-url", default=None, help="the vLLM server ([backend] url)")
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="what a running daemon is doing")
     st.add_argument("--socket", default=None, help=SOCKET_HELP)
     st.add_argument("--json", action="store_true", help="print the raw stats as JSON")
     st.set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("stop", help="stop the running daemon and wait until it is gone")
+    sp.add_argument("--socket", default=None, help=SOCKET_HELP)
+    sp.add_argument("--timeout", type=non_negative_float, default=30.0,
+                    help="seconds to wait for it to exit (default: 30)")  # fmt: skip
+    sp.set_defaults(func=cmd_stop)
 
     c = sub.add_parser("complete", help="complete at a position of a file via the daemon")
     c.add_argument(
@@ -370,11 +469,15 @@ def _add_daemon_commands(sub: argparse._SubParsersAction) -> None:
                    help="0-based UTF-16 column, at most the line's length")  # fmt: skip
     c.add_argument("--stream", action="store_true", help="print deltas as they arrive")
     c.add_argument("--multiline", action="store_true", help="complete a block, not one line")
-    c.add_argument("--max-tokens", type=positive_int, default=None, help=MAX_TOKENS_HELP)
+    c.add_argument("--max-tokens", type=positive_int, default=None, help=COMPLETE_TOKENS_HELP)
     c.add_argument("--speculation", default="auto", help=SPECULATION_HELP)
     c.add_argument("--socket", default=None, help=SOCKET_HELP)
     c.add_argument("--json", action="store_true", help="also print the stats as a JSON line")
     c.set_defaults(func=cmd_complete)
+
+    from codespec.daemon.view.command import add_parser as add_view
+
+    add_view(sub, SOCKET_HELP, cmd_view)
 
     ls = sub.add_parser("lsp", help="language server for editors (LSP over stdio)")
     ls.add_argument("--socket", default=None, help=SOCKET_HELP)
@@ -392,13 +495,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_generate(sub)
     _add_daemon_commands(sub)
+    from codespec.daemon.backends.vllm_args import add_parser as add_vllm_args
+
+    add_vllm_args(sub)
 
     mo = sub.add_parser("model", help="fetch, import or list cached models")
     mo.add_argument("action", choices=["fetch", "import", "list"], help="what to do")
     mo.add_argument("file", nargs="?", help="the .gguf file to import (import only)")
     mo.add_argument("--force", action="store_true", help="fetch: rebuild a cached model")
     mo.add_argument("--json", action="store_true", help="list: print JSON")
-    mo.add_argument("--state-dir", default=None, help="cache root (default: ~/.cache/codespec)")
+    mo.add_argument("--state-dir", default=None, help=f"cache root (default: {_state_dir()})")
     mo.set_defaults(func=cmd_model)
 
     passthrough = (
@@ -410,6 +516,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from codespec.daemon.view.command import run
+
+    return run(args, _daemon_client, CliError)
+
+
+def _is_model_load_error(exc: Exception) -> bool:
+    """Whether ``exc`` is the engine's ModelLoadError, without importing the engine (and
+    torch) on the client commands' error paths: only a loaded engine can have raised it."""
+    engine = sys.modules.get("codespec.daemon.engine.engine")
+    return engine is not None and isinstance(exc, engine.ModelLoadError)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -419,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[1:]
     else:
         args, rest = parser.parse_args(argv), []
-    _quiet_libraries(loads_model=args.command not in ("lsp", "status", "complete"))
+    _quiet_libraries(loads_model=args.command not in ("lsp", "status", "stop", "complete", "view"))
     func: Callable = args.func
     try:
         if getattr(args, "passthrough", False):
@@ -431,9 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 1
     except Exception as exc:
-        from codespec.daemon.engine.engine import ModelLoadError
-
-        if isinstance(exc, (CliError, ModelLoadError)):
+        if isinstance(exc, CliError) or _is_model_load_error(exc):
             print(f"codespec: error: {exc}", file=sys.stderr)
             return 1
         if os.environ.get("CODESPEC_DEBUG"):

@@ -41,6 +41,19 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     max_files = 5000
     debounce_s = 0.3
 
+    [view]
+    enabled = false           # serve the live page from the start (codespec view asks later)
+    ring = 200                # requests the page keeps (a bounded ring)
+
+    [backend]
+    kind = "local"            # local | vllm (a vLLM server decodes: codespec.daemon.backends)
+    url = "http://127.0.0.1:8000"
+    model = ""                # the served model's name ("": the one it serves)
+    api_key_env = "CODESPEC_BACKEND_API_KEY"
+    api_key_file = ""
+    timeout_s = 30.0
+    retries = 2
+
 Command-line flags win over the file; the file wins over the defaults.
 """
 
@@ -125,17 +138,31 @@ class Completion(_Section):
     # than the gap between keystrokes of someone typing (~150-250 ms): a warm-up between
     # keystrokes makes the next completion wait for its forward in flight.
     warm_after_s: Annotated[float, Meta(ge=0.0)] = 0.4
-    # A completion at a cold spot (a jump: more than this many of its prompt's tokens are
-    # in no KV cache) uses only the last ~this many prefix tokens, so that its prefill
-    # stays short (~0.6 s on 2 CPU cores instead of ~2.5 s for 1,024); the whole window
-    # comes back once a pause has pre-filled it (warm_after_s). 0: always the whole window.
-    cold_tokens: Annotated[int, Meta(ge=0)] = 256
 
 
 class Workspace(_Section):
     max_file_bytes: AtLeast1 = 1_000_000
     max_files: Annotated[int, Meta(ge=0)] = 5000
     debounce_s: Annotated[float, Meta(ge=0.0)] = 0.3
+
+
+class Backend(_Section):
+    # "local": the daemon's own engine; "vllm": a vLLM server's OpenAI API decodes
+    # (codespec.daemon.backends; prompts, stops and cancellation stay in the daemon)
+    kind: Literal["local", "vllm"] = "local"
+    url: str = "http://127.0.0.1:8000"
+    model: str = ""  # the served model's name; "": the one the server serves
+    api_key_env: str = "CODESPEC_BACKEND_API_KEY"  # the API key's variable (never logged)
+    api_key_file: str = ""  # else a file holding the key
+    timeout_s: Annotated[float, Meta(gt=0.0)] = 30.0  # connect, and the most between tokens
+    retries: Annotated[int, Meta(ge=0)] = 2  # reconnects before the first token only
+
+
+class View(_Section):
+    # The live page (codespec view): 127.0.0.1, a random port and token. Off, nothing
+    # records the requests and nothing listens; ``codespec view`` opens it on demand.
+    enabled: bool = False
+    ring: Annotated[int, Meta(ge=1, le=10_000)] = 200
 
 
 class Config(_Section):
@@ -148,6 +175,8 @@ class Config(_Section):
     speculation: Speculation = msgspec.field(default_factory=Speculation)
     completion: Completion = msgspec.field(default_factory=Completion)
     workspace: Workspace = msgspec.field(default_factory=Workspace)
+    view: View = msgspec.field(default_factory=View)
+    backend: Backend = msgspec.field(default_factory=Backend)
 
     @property
     def socket_path(self) -> str:
@@ -161,15 +190,23 @@ class Config(_Section):
         return base / "index.msgpack"
 
 
+SOCKET_RULE = (
+    "$CODESPEC_SOCKET, else $XDG_RUNTIME_DIR/codespec/daemon.sock, "
+    "else $XDG_CACHE_HOME/codespec/daemon.sock (~/.cache/codespec/daemon.sock)"
+)
+
+
 def default_socket_path() -> str:
-    """``$CODESPEC_SOCKET``, else ``$XDG_RUNTIME_DIR/codespec/daemon.sock``, else ~/.cache."""
+    """The socket when the config names none (:data:`SOCKET_RULE`): sockets belong in
+    the runtime directory when there is one; else the state directory, which follows
+    ``$XDG_CACHE_HOME`` like the models, kernels and index."""
     env = os.environ.get("CODESPEC_SOCKET")
     if env:
         return os.path.expanduser(env)
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "codespec", "daemon.sock")
-    return os.path.join(os.path.expanduser("~"), ".cache", "codespec", "daemon.sock")
+    return str(state_dir() / "daemon.sock")
 
 
 def default_state_dir() -> Path:

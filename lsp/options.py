@@ -74,10 +74,11 @@ def _whole_float(value: Any) -> bool:
 def parse_options(raw: Any) -> tuple[Options, list[str]]:
     """Options from an ``initializationOptions`` value, plus one message per problem.
 
-    ``None`` and ``{}`` give the defaults silently. A value that is not a map
-    gives the defaults and one message; a bad key keeps its default.
+    ``None``, ``{}`` and ``[]`` give the defaults silently (an empty Lua table, as
+    ``setup({})`` in Neovim sends it, encodes as ``[]``). Any other value that is not
+    a map gives the defaults and one message; a bad key keeps its default.
     """
-    if raw is None:
+    if raw is None or raw == []:
         return Options(), []
     if not isinstance(raw, dict):
         return Options(), [

@@ -10,7 +10,8 @@ peers and these builds live under it; here because the index may not import the 
 config), where builds live (:func:`kernel_dir`; one file per library, named by a hash of its
 sources and flags, so an edited source is built anew and an old build is never loaded),
 finding a compiler, the build (written whole or not at all: concurrent builders both end
-with a whole file) and the lazy, thread-safe first load. What a library declares (its
+with a whole file; one stderr line as it starts and one as it ends, none for a cached build)
+and the lazy, thread-safe first load. What a library declares (its
 functions' ctypes signatures) and when it should not be built at all are its module's.
 """
 
@@ -21,8 +22,10 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -116,13 +119,30 @@ class NativeLibrary:
                 cxx = compiler()
                 if cxx is None:
                     return "no C++ compiler to build it with (g++, c++ or clang++; or set CXX)"
-                self.build(cxx, target)
+                self._build_telling(cxx, target)
             lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             return f"building or loading the kernel failed: {e}"
         self.declare(lib)
         self._lib = lib
         return None
+
+    def _build_telling(self, cxx: str, target: Path) -> None:
+        """:meth:`build`, with one line on stderr as it starts and one as it ends: the
+        first use on a machine compiles for a while (a cached build loads silently)."""
+        print(
+            f"codespec: compiling {self.label} ({target.name}) with {cxx}, once per machine...",
+            file=sys.stderr,
+            flush=True,
+        )
+        t0 = time.monotonic()
+        outcome = "failed"
+        try:
+            self.build(cxx, target)
+            outcome = "done"
+        finally:
+            took = time.monotonic() - t0
+            print(f"codespec: compiling {self.label}: {outcome} in {took:.1f} s", file=sys.stderr)
 
     def library(self) -> ctypes.CDLL | None:
         """The loaded library, built on first use; ``None`` when it cannot be used."""

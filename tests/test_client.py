@@ -15,6 +15,9 @@ def test_default_socket_path_honours_env(monkeypatch, tmp_path):
     monkeypatch.delenv("CODESPEC_SOCKET")
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert default_socket_path() == str(tmp_path / "codespec" / "daemon.sock")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")  # none: the state directory, as models and kernels
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_socket_path() == str(tmp_path / "cache" / "codespec" / "daemon.sock")
 
 
 def test_no_daemon_is_unavailable(tmp_path):

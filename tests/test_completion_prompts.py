@@ -14,6 +14,7 @@ it guesses something else.)
 
 from __future__ import annotations
 
+import ast
 import sysconfig
 from pathlib import Path
 
@@ -127,3 +128,64 @@ def test_shape_keeps_whole_lines_when_cut():
 def test_file_label_is_the_last_two_path_parts():
     assert file_label("file:///home/u/pkg/mod/a%20b.py") == "mod/a b.py"
     assert file_label("untitled") == "untitled"
+
+
+def _complete(client, text: str, line: int, character: int, **params) -> dict:
+    """One completion of ``text`` opened as a new document; the result."""
+    uri = f"file:///newcomer/{abs(hash((text, line, character)))}/s3.py"
+    client.request("open", {"uri": uri, "text": text, "language": "python"})
+    try:
+        pos = {"line": line, "character": character}
+        return client.request("complete", {"uri": uri, "position": pos, **params})
+    finally:
+        client.request("close", {"uri": uri})
+
+
+def test_a_fresh_indented_line_gets_no_second_indentation(client):
+    """Issue 47: ``def add(a, b):`` then a line of 4 spaces, the cursor after them: the
+    completion does not write the indentation again (it gave ``    if a == b:``)."""
+    for text in ("def add(a, b):\n    \n", "def f():\n    "):
+        got = _complete(client, text, 1, 4)["text"]
+        assert got.strip() and not got[0].isspace(), (text, got)
+
+
+def test_the_top_of_a_file_completes_code_not_prose(client):
+    """Issue 47: ``import `` at the top of a file gave ``and remove the last n elements of
+    a list.``: the line completed is a Python statement."""
+    got = _complete(client, "import \n", 0, 7)["text"]
+    assert got.strip()
+    ast.parse("import " + got)
+
+
+def test_a_word_before_the_rest_of_its_line_gets_no_prose(client):
+    """Issue 47: ``import json`` with the cursor after ``import`` gave
+    ``-to-be-used-in-the-making-of-a``."""
+    got = _complete(client, "import json\n", 0, 6)["text"]
+    assert "-" not in got and len(got.split()) <= 2, got
+
+
+def test_an_empty_file_completes_to_nothing(client):
+    """Issue 47: an empty (or blank) document gives an empty result, not an error."""
+    for text in ("", "\n\n  \n"):
+        r = _complete(client, text, 0, 0)
+        assert r["text"] == "" and r["finish_reason"] == "stop"
+
+
+def test_a_completion_never_starts_with_a_markdown_fence(client):
+    """Issue 47: after ``def f():\\n    return 1\\n`` SmolLM2 closes a chat answer's code
+    block (```` ``` ````), then writes prose."""
+    text = "def f():\n    return 1\n"
+    one = _complete(client, text, 2, 0)
+    multi = _complete(client, text, 2, 0, multiline=True)
+    assert "```" not in one["text"] and "```" not in multi["text"], (one, multi)
+
+
+def test_a_single_line_completion_ends_at_the_line_end_not_at_a_small_cap(client):
+    """Issue 47: a single-line completion with no max_tokens stopped at 16 tokens, mid
+    string. A list of a long string copied: the copy is the whole line (over 16 tokens),
+    ended by the line's end."""
+    line = '    "the quick brown fox jumps over the lazy dog, then runs far into the forest",'
+    text = "WORDS = [\n" + (line + "\n") * 3 + '    "\n]\n'
+    r = _complete(client, text, 4, 5)
+    assert r["text"] == line[5:], r
+    assert r["finish_reason"] == "stop" and r["stats"]["tokens"] > 16

@@ -130,6 +130,69 @@ def test_client_commands_without_daemon(tmp_path):
     assert r.returncode == 1 and "codespec serve" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_stop_ends_the_daemon_and_status_shows_its_pid(tmp_path, tiny_model):
+    env = env_for(tmp_path)
+    sock_path = env["CODESPEC_SOCKET"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "codespec.daemon.cli", "serve", "--model", str(tiny_model)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_daemon(sock_path, proc)
+        status = cli(env, "status", "--json", timeout=60)
+        assert json.loads(status.stdout)["pid"] == proc.pid
+        assert f"pid        {proc.pid}" in cli(env, "status", timeout=60).stdout
+        stop = cli(env, "stop", timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        assert f"stopped the daemon (pid {proc.pid}) on {sock_path}" in stop.stdout
+        assert proc.poll() is not None  # gone before `stop` returned (reaped now)
+        assert proc.returncode == 0 and not os.path.exists(sock_path)
+        again = cli(env, "stop", timeout=60)
+        assert again.returncode == 0 and f"no daemon is running on {sock_path}" in again.stdout
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_socket_and_the_help_follow_xdg_cache_home(tmp_path):
+    env = {k: v for k, v in env_for(tmp_path).items() if k not in ("CODESPEC_SOCKET",
+                                                                   "XDG_RUNTIME_DIR")}  # fmt: skip
+    env["COLUMNS"] = "1000"  # argparse wraps long paths at their hyphens otherwise
+    cache = tmp_path / "cache" / "codespec"
+    assert f"(default: {cache})" in " ".join(cli(env, "model", "--help").stdout.split())
+    assert f"default here: {cache / 'daemon.sock'}" in " ".join(
+        cli(env, "status", "--help").stdout.split()
+    )
+    r = cli(env, "status")
+    assert r.returncode == 1 and f"no codespec daemon on {cache / 'daemon.sock'}" in r.stderr
+
+
+def test_client_errors_import_no_torch(tmp_path):
+    """`status` and `complete` are clients: their errors cost no torch import (~1 s)."""
+    env = env_for(tmp_path)
+    src = tmp_path / "a.py"
+    src.write_text("x = 1\n")
+    script = (
+        "import sys\n"
+        "from codespec.daemon.cli import main\n"
+        f"assert main(['status']) == 1\n"
+        f"assert main(['complete', '--file', {str(src)!r}, '--line', '0', '--character', '1'])"
+        " == 1\n"
+        f"assert main(['complete', '--file', {str(tmp_path / 'none.py')!r}, '--line', '0',"
+        " '--character', '0']) == 1\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
+    assert r.stderr.count("codespec: error:") == 3 and "Traceback" not in r.stderr
+
+
 def test_bad_config_is_one_line(tmp_path):
     env = env_for(tmp_path)
     cfg = tmp_path / "bad.toml"

@@ -267,65 +267,78 @@ def test_warming_prefills_while_idle_and_yields_to_requests(engine, scheduler):
     assert scheduler.warmed_tokens == before  # nothing fed: the request went first
 
 
-def test_the_daemon_warms_the_prompt_after_open_and_after_a_pause(daemon):
+def test_the_daemon_warms_the_prompt_after_open_and_after_a_pause(engine, tmp_path):
     """After an open (at the document's end) and after a typing pause (at the last edit),
     the daemon pre-fills the completion's prompt, so the completion re-feeds ~1 token."""
+    from conftest import ServerThread, daemon_config
+
     text = "import os\n\n\ndef walk(root):\n" + "    x = os.path.join(root, 'a')\n" * 20
-    wait_idle(daemon.server.scheduler)
-    time.sleep(0.6)  # past warm_after_s: an earlier test's pending warm-up has run
-    wait_idle(daemon.server.scheduler)
-    with Client(daemon.socket_path) as c:
-        before = c.request("stats")["requests"]["warmed"]
-        c.request("open", {"uri": "file:///warm.py", "text": text, "version": 1})
-        wait_warmed(c, before + 1, "the open", 30)
-        end = {"line": 24, "character": 0}
-        r = c.request("complete", {"uri": "file:///warm.py", "position": end, "max_tokens": 2})
-        assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
-        pos = {"line": 5, "character": 0}  # an edit far above: then a pause
-        change = {"range": {"start": pos, "end": pos}, "text": "    y = 2\n"}
-        c.request("change", {"uri": "file:///warm.py", "version": 2, "changes": [change]})
-        wait_warmed(c, before + 2, "the change", 30)
-        at = {"line": 6, "character": 0}
-        r = c.request("complete", {"uri": "file:///warm.py", "position": at, "max_tokens": 2})
-        assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
-        c.request("close", {"uri": "file:///warm.py"})
+    srv = ServerThread(daemon_config(tmp_path), engine)  # its own: no earlier warm-ups
+    try:
+        with Client(srv.socket_path) as c:
+            c.request("open", {"uri": "file:///warm.py", "text": text, "version": 1})
+            wait_warmed(c, 1, "the open", 30)
+            end = {"line": 24, "character": 0}
+            r = c.request("complete", {"uri": "file:///warm.py", "position": end, "max_tokens": 2})
+            assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
+            pos = {"line": 5, "character": 0}  # an edit far above: then a pause
+            change = {"range": {"start": pos, "end": pos}, "text": "    y = 2\n"}
+            c.request("change", {"uri": "file:///warm.py", "version": 2, "changes": [change]})
+            wait_warmed(c, 2, "the change", 30)
+            at = {"line": 6, "character": 0}
+            r = c.request("complete", {"uri": "file:///warm.py", "position": at, "max_tokens": 2})
+            assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
+    finally:
+        srv.stop()
 
 
-def test_a_cold_spot_takes_a_short_window_until_a_pause_warms_the_whole_one(daemon):
-    """A completion where no cache holds its prompt (a jump far into a long document) uses
-    the last ~completion.cold_tokens prefix tokens, so its prefill stays short; the next
-    keystroke there re-feeds ~1 token of that short prompt; after a pause has warmed the
-    whole window, completions use the whole window again."""
-    cold = daemon.server.config.completion.cold_tokens
-    lines = [f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(200)]
-    text = "".join(lines)  # ~4,000 tokens
-    uri = "file:///cold.py"
-    wait_idle(daemon.server.scheduler)
-    time.sleep(0.6)  # an earlier test's pending warm-up has run
-    with Client(daemon.socket_path) as c:
-        c.request("open", {"uri": uri, "text": text, "version": 1})
-        wait_idle(daemon.server.scheduler)
-        before = c.request("stats")["requests"]["cold_windows"]
-        spot = {"line": 3 * 80 + 1, "character": 4}  # the middle: far from the warmed end
-        r = c.request("complete", {"uri": uri, "position": spot, "max_tokens": 2})
-        assert c.request("stats")["requests"]["cold_windows"] == before + 1
-        assert r["stats"]["prompt_tokens"] <= cold + 8  # the short window, fed whole
-        first = r["stats"]["prompt_tokens"]
-        r = c.request("complete", {"uri": uri, "position": spot, "max_tokens": 2})
-        assert c.request("stats")["requests"]["cold_windows"] == before + 2  # still cold
-        assert r["stats"]["prompt_tokens"] == first
-        assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
-        warmed = c.request("stats")["requests"]["warmed"]
-        change = {"range": {"start": spot, "end": spot}, "text": "("}
-        c.request("change", {"uri": uri, "version": 2, "changes": [change]})
-        wait_warmed(c, warmed + 1, "the pause")
-        wait_idle(daemon.server.scheduler)
-        at = {"line": spot["line"], "character": 5}
-        r = c.request("complete", {"uri": uri, "position": at, "max_tokens": 2})
-        assert c.request("stats")["requests"]["cold_windows"] == before + 2
-        assert r["stats"]["prompt_tokens"] > 3 * cold  # the whole window, warm
-        assert r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"] <= 1
-        c.request("close", {"uri": uri})
+def test_a_prompt_depends_on_neither_the_cache_nor_the_timing(engine, tmp_path, monkeypatch):
+    """The same completion asked cold (no cache holds its prompt: a jump far into a long
+    document), warm (after a pause pre-filled it there) and right after the document is
+    opened again gets the same prompt ids and the same text: a prompt is a function of the
+    document, the cursor and the configuration."""
+    from conftest import ServerThread, daemon_config
+
+    prompts: list[list[int]] = []
+    real_stream = engine.stream
+
+    def recording_stream(prompt_ids, *args, **kwargs):  # the real decoding, prompts noted
+        prompts.append(list(prompt_ids))
+        return real_stream(prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "stream", recording_stream)
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(200))
+    uri = "file:///same.py"  # ~4,000 tokens; the prompt holds limits.context_tokens of them
+    spot = {"line": 3 * 80 + 1, "character": 4}  # the middle: far from the end an open warms
+    ask = {"uri": uri, "position": spot, "max_tokens": 6, "speculation": "off"}
+    engine.reset_cache()
+    srv = ServerThread(daemon_config(tmp_path), engine)  # its own: no earlier warm-ups
+    seen: list[tuple[str, dict, list[int]]] = []
+    try:
+        with Client(srv.socket_path) as c:
+
+            def complete(label: str) -> None:
+                prompts.clear()
+                seen.append((label, c.request("complete", ask), prompts[0]))
+
+            c.request("open", {"uri": uri, "text": text, "version": 1})
+            wait_warmed(c, 1, "the open")  # the document's end, not the spot
+            complete("cold")
+            nothing = {"range": {"start": spot, "end": spot}, "text": ""}  # then a pause
+            c.request("change", {"uri": uri, "version": 2, "changes": [nothing]})
+            wait_warmed(c, 2, "the pause at the spot")
+            complete("warm")
+            c.request("close", {"uri": uri})
+            c.request("open", {"uri": uri, "text": text, "version": 1})
+            complete("right after open")
+    finally:
+        srv.stop()
+    (_, cold, cold_ids), (_, warm, warm_ids), (_, opened, opened_ids) = seen
+    assert cold["stats"]["cached_tokens"] < cold["stats"]["prompt_tokens"] // 2  # it was cold
+    assert warm["stats"]["prompt_tokens"] - warm["stats"]["cached_tokens"] <= 1  # it was warm
+    assert cold_ids == warm_ids == opened_ids
+    assert cold["stats"]["prompt_tokens"] == len(cold_ids)
+    assert cold["text"] == warm["text"] == opened["text"]
 
 
 def test_recent_outputs_keep_the_last_few_per_document_and_few_documents():

@@ -14,6 +14,7 @@ from codespec.lsp.options import Options, parse_options, to_wire
 def test_missing_options_are_the_defaults_without_messages() -> None:
     assert parse_options(None) == (Options(), [])
     assert parse_options({}) == (Options(), [])
+    assert parse_options([]) == (Options(), [])  # Neovim's setup({}): an empty Lua table
 
 
 def test_camel_case_options_are_typed() -> None:

@@ -8,6 +8,9 @@ import sysconfig
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+from qwen_local import qwen_tokenizer
+
 from codespec.daemon.text.prefix_tokens import MIN_CHARS, PrefixEncoder, prefix_encoder
 
 PIECES = ["a", "Z", "é", "ß", "1", "23", "٣", "'", "'s", "'ll", "s", " ", "  ", "\t", "\n",
@@ -60,3 +63,42 @@ def test_other_tokenizers_and_special_strings_are_encoded_whole(engine):
     assert enc.split(long) > 0
     assert enc.split(long[: MIN_CHARS // 2]) == 0
     assert enc.split(long + "<file_sep>\n" + long) == 0
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(request):
+    return qwen_tokenizer(request)
+
+
+def test_qwen2_split_encodings_equal_the_tokenizers_own(qwen_tok):
+    """Qwen2's pre-tokenizer (its Split regex, NFC): random text with decomposed accents
+    and punctuation before line breaks, and stdlib files cut at random cursors, split
+    where the rule allows: the same ids as one encoding."""
+    enc = PrefixEncoder(qwen_tok)
+    assert enc.exact
+    rng = random.Random(5)
+    pieces = [*PIECES, "e\u0301", "\u0301", "):\n", ",\n", "A\u030a", "\r", "x\n\n", "9 "]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(400, 900))) for _ in range(300)]
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    for f in rng.sample(files, 40):
+        t = f.read_text(encoding="utf-8", errors="replace")
+        texts += [t[: rng.randrange(len(t) + 1)] for _ in range(3)]
+    split = 0
+    for t in texts:
+        split += enc.split(t) > 0
+        assert enc.encode(t) == qwen_tok.encode(t, add_special_tokens=False)
+    assert split > len(texts) // 3  # the split path really ran
+
+
+def test_qwen2_splits_only_after_a_letter_or_digit(qwen_tok):
+    """Punctuation takes the line breaks after it in Qwen2's regex (``):\\n`` is one
+    piece), so the GPT-2 rule's split after ``:`` would not be exact there: the split
+    is at the last whitespace after a letter or digit."""
+    enc = PrefixEncoder(qwen_tok)
+    text = "x = 1\n" * (MIN_CHARS // 6) + "def f(a):\n    return g(a)\n" + "    y"
+    q = enc.split(text)
+    assert text[q - 6 : q + 1] == "return "
+    assert enc.encode(text) == qwen_tok.encode(text, add_special_tokens=False)
+    ids = lambda s: qwen_tok.encode(s, add_special_tokens=False)  # noqa: E731
+    whole, parts = ids("f(a):\n    "), ids("f(a):") + ids("\n    ")
+    assert whole != parts  # why the GPT-2 rule does not carry over

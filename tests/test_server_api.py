@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from codespec.daemon.client import Client, DaemonError
@@ -69,7 +71,7 @@ def test_complete_single_line_shape_and_stream(client):
     assert r["stats"]["tokens"] <= 8
     assert r["finish_reason"] in ("stop", "length")
     assert all(d["event"] == "delta" and isinstance(d["text"], str) for d in deltas)
-    assert r["text"].startswith("".join(d["text"] for d in deltas).split("\n")[0])
+    assert "".join(d["text"] for d in deltas) == r["text"]  # what streamed is what returns
     assert r["stats"]["prompt_tokens"] <= 2048 - 8 - 1  # the FIM budget
     # The same request again reuses the cached prompt.
     r2 = client.request("complete", {"uri": uri, "position": {"line": 41, "character": 4}})
@@ -94,11 +96,64 @@ def test_complete_multiline_and_speculation_off(client):
     assert r["stats"]["target_forwards"] == r["stats"]["tokens"] or r["finish_reason"] == "stop"
 
 
+def test_streamed_deltas_add_up_to_the_returned_text(real_engine, tmp_path):
+    """A multi-line completion cut at its token cap loses its unfinished last line (and
+    the block openers before it): that text never streams (``codespec complete --stream``).
+    On the real model, which writes lines."""
+    from conftest import ServerThread
+
+    srv = ServerThread(daemon_config(tmp_path), real_engine)
+    try:
+        with Client(srv.socket_path) as c:
+            uri = "file:///streamed.py"
+            c.request("open", {"uri": uri, "text": SOURCE + "class Stack:\n    "})
+            cut = 0
+            for multiline in (True, False):
+                for max_tokens in (7, 12, 19, 27):
+                    deltas: list[dict] = []
+                    params = {"uri": uri, "position": {"line": 321, "character": 4},
+                              "stream": True, "multiline": multiline, "max_tokens": max_tokens,
+                              "speculation": "off"}  # fmt: skip
+                    r = c.request("complete", params, deltas.append)
+                    streamed = "".join(d["text"] for d in deltas)
+                    assert streamed == r["text"], (multiline, max_tokens)
+                    cut += multiline and r["finish_reason"] == "length" and "\n" in r["text"]
+            assert cut, "no multi-line completion was cut at its cap"
+    finally:
+        srv.stop()
+
+
 def test_generate_shape(client):
     r = client.request("generate", {"prompt": "def add(a, b):\n", "max_tokens": 5})
     assert set(r) == {"text", "finish_reason", "stats"} and r["stats"]["tokens"] <= 5
     r = client.request("generate", {"prompt_ids": [10, 11, 12], "max_tokens": 3, "stop": ["x"]})
     assert r["stats"]["tokens"] <= 3
+
+
+def until(predicate, timeout: float = 10.0) -> bool:
+    """Whether ``predicate`` came true within ``timeout`` s (checked every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_client_that_leaves_closes_the_documents_only_it_held(daemon):
+    """An editor that quits leaves no open documents behind (``codespec status``)."""
+    docs = daemon.server.documents
+    with Client(daemon.socket_path) as keeper:
+        keeper.request("open", {"uri": "file:///kept.py", "text": "a = 1\n"})
+        with Client(daemon.socket_path) as leaver:
+            for name in ("mine.py", "other.py", "kept.py"):
+                leaver.request("open", {"uri": f"file:///{name}", "text": "b = 2\n"})
+            leaver.request("close", {"uri": "file:///other.py"})
+            assert {"file:///mine.py", "file:///kept.py"} <= set(docs.uris())
+        assert until(lambda: "file:///mine.py" not in docs), "the leaver's document stayed open"
+        assert "file:///kept.py" in docs  # the keeper still holds it
+        assert keeper.request("stats")["documents"] == len(docs)
+    assert until(lambda: "file:///kept.py" not in docs)
 
 
 def test_stats_shape(client):

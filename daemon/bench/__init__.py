@@ -7,7 +7,9 @@ the model runners; ``codespec bench index`` times the n-gram index;
 ``codespec bench latency`` times ``complete`` over the daemon's socket;
 ``codespec bench quality`` scores completions at real cursor positions;
 ``codespec bench kernels`` times the quantized CPU products;
-``codespec bench peers`` runs llama.cpp (plain and ``llama-lookup``) beside them.
+``codespec bench peers`` runs llama.cpp (plain and ``llama-lookup``) beside them;
+``codespec bench infill`` times a FIM completion through the daemon beside
+``llama-server``'s ``/infill``.
 Each prints a table and ends with one JSON line.
 """
 
@@ -25,6 +27,8 @@ SUBCOMMANDS = {
     "quality": "codespec.daemon.bench.quality",
     "kernels": "codespec.daemon.bench.kernels",
     "peers": "codespec.daemon.bench.peers",
+    "vllm": "codespec.daemon.bench.vllm",
+    "infill": "codespec.daemon.bench.infill",
 }
 
 

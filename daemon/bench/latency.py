@@ -316,6 +316,8 @@ def compare_configs(
     speculation (``[speculation] default``, auto unless the file says), typing replayed on each
     in :func:`ab_order` (``--rounds`` rounds); per config the mean of its runs, and the
     first daemon's ``stats``."""
+    from codespec.daemon.view.reader import read_page
+
     paths = [Path(c) for c in args.configs.split(",") if c]
     missing = [str(c) for c in paths if not c.is_file()]
     if missing:
@@ -328,6 +330,7 @@ def compare_configs(
     try:
         for name, path in zip(names, paths, strict=True):
             procs[name] = start_daemon(args.threads, [*extra, "--config", str(path)])
+            read_page(procs[name][1])  # [view] enabled: a page reads it, as a browser tab
         for name in ab_order(names, args.rounds):
             runs[name].append(
                 typing_latency(procs[name][1], texts, None, args.pause_ms / 1000, args.spots)

@@ -38,6 +38,7 @@ SDIST = "llama-cpp-python"
 PLAIN_TARGETS = ("llama-completion", "llama-cli")  # the plain decoder, newest name first
 LOOKUP_TARGET = "llama-lookup"
 BENCH_TARGET = "llama-bench"
+SERVER_TARGET = "llama-server"  # the /infill endpoint llama.vim calls
 BUILD_INFO = "build.json"
 
 
@@ -69,6 +70,7 @@ class LlamaCpp:
     lookup: Path | None
     bench: Path | None
     info: dict[str, Any] = field(default_factory=dict)
+    server: Path | None = None
     _draft_flag: str = ""
 
     def draft_flag(self) -> str:
@@ -103,7 +105,13 @@ def _from_folder(folder: Path) -> LlamaCpp | None:
 
     plain = next((p for p in map(exe, PLAIN_TARGETS) if p is not None), None)
     found = LlamaCpp(
-        folder, str(info.get("version", "?")), plain, exe(LOOKUP_TARGET), exe(BENCH_TARGET), info
+        folder,
+        str(info.get("version", "?")),
+        plain,
+        exe(LOOKUP_TARGET),
+        exe(BENCH_TARGET),
+        info,
+        server=exe(SERVER_TARGET),
     )
     return found if found.plain is not None or found.lookup is not None else None
 
@@ -128,12 +136,19 @@ def say_stderr(message: str) -> None:
 
 
 def llama_cpp(
-    root: Path | None = None, rebuild: bool = False, say: Callable[[str], None] = say_stderr
+    root: Path | None = None,
+    rebuild: bool = False,
+    say: Callable[[str], None] = say_stderr,
+    server: bool = False,
 ) -> LlamaCpp:
-    """The cached llama.cpp build, built first when there is none (or ``rebuild``).
+    """The cached llama.cpp build, built first when there is none (or ``rebuild``, or
+    ``server`` is asked for and the cached build has no ``llama-server``).
     Raises :class:`PeerUnavailable` when it cannot be had."""
     root = root or peers_root()
-    if not rebuild and (found := cached_build(root)) is not None:
+    found = cached_build(root)
+    if found is not None and server and found.server is None:
+        rebuild = True
+    if not rebuild and found is not None:
         return found
     if shutil.which("cmake") is None:
         raise PeerUnavailable("cmake is not installed")
@@ -154,7 +169,7 @@ FEATURES = (("AVX", "avx"), ("AVX2", "avx2"), ("FMA", "fma"), ("F16C", "f16c"),
             ("AVX512_BF16", "avx512_bf16"), ("AVX512_VBMI", "avx512vbmi"),
             ("AVX_VNNI", "avx_vnni"))  # fmt: skip
 CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
-                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                 "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON",
                  "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF",
                  "-DLLAMA_USE_PREBUILT_UI=OFF")  # fmt: skip
 
@@ -199,7 +214,9 @@ def build(root: Path, say: Callable[[str], None] = say_stderr) -> LlamaCpp:
         version = src.parent.parent.name.rpartition("-")[2]  # <sdist>-<version>/vendor/...
         targets = cmake_targets(src)
         plain = next((t for t in PLAIN_TARGETS if t in targets), None)
-        wanted = [t for t in (plain, LOOKUP_TARGET, BENCH_TARGET) if t and t in targets]
+        wanted = [
+            t for t in (plain, LOOKUP_TARGET, BENCH_TARGET, SERVER_TARGET) if t and t in targets
+        ]
         if plain is None and LOOKUP_TARGET not in wanted:
             raise PeerUnavailable(f"llama.cpp {version} has none of {PLAIN_TARGETS}")
         flags = cpu_flags()

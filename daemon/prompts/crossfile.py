@@ -52,12 +52,15 @@ def chunks(text: str) -> list[tuple[int, str]]:
 
 
 def query_text(text: str, offset: int) -> tuple[int, str]:
-    """``(grid line, query)``: the :data:`QUERY_LINES` lines above the cursor's line,
-    with the cursor's line rounded down to the grid."""
+    """``(grid line, query)``: the :data:`QUERY_LINES` lines that end with the cursor's
+    block of :data:`LINE_GRID` lines (the cursor's line rounded down to the grid, so the
+    query moves once per block; the block's lines count, so a cursor in a file's first
+    lines has a query too)."""
     line = text.count("\n", 0, offset)
     grid = line - line % LINE_GRID
     lines = text.splitlines(keepends=True)
-    return grid, "".join(lines[max(0, grid - QUERY_LINES) : grid])
+    end = grid + LINE_GRID
+    return grid, "".join(lines[max(0, end - QUERY_LINES) : end])
 
 
 def select(

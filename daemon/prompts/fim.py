@@ -1,12 +1,21 @@
 """Prompt formats: fill-in-the-middle tokens of the code-model families we know.
 
-Owns: which special tokens a tokenizer uses for FIM and for "stop", and how a
-prefix / suffix pair becomes a token-id prompt that fits a context budget.
-Must not touch: models, caches, sampling.
+Owns: which special tokens a tokenizer uses for FIM, for a repository's layout and for
+"stop", and how a prefix / suffix pair (and other files) becomes a token-id prompt that
+fits a context budget, in the layout the model was trained on:
+
+- file level: ``<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`` (PSM);
+- repository level (Qwen2.5-Coder: ``<|repo_name|>``, ``<|file_sep|>``)::
+
+    <|repo_name|>{repo}\n<|file_sep|>{path}\n{content}\n ... <|file_sep|>{current path}\n
+    <|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>
+
+Must not touch: models, caches, sampling, documents (callers pass text and ids).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # (prefix, suffix, middle) special-token spellings, most specific first.
@@ -20,6 +29,7 @@ FIM_FAMILIES: list[tuple[str, str, str]] = [
 STOP_TOKEN_SPELLINGS = [
     "<|endoftext|>",
     "<|file_sep|>",
+    "<|repo_name|>",
     "<file_sep>",
     "<|fim_pad|>",
     "<|im_end|>",
@@ -30,17 +40,28 @@ STOP_TOKEN_SPELLINGS = [
 ]
 
 
+# (repository name, file separator) special tokens of a repository-level layout
+REPO_FAMILIES: list[tuple[str, str]] = [("<|repo_name|>", "<|file_sep|>")]  # Qwen2.5-Coder
+
+
 @dataclass(frozen=True)
 class FimTokens:
+    """A tokenizer's FIM tokens; ``repo`` / ``file_sep`` where it has the repository-level
+    layout's (None where not)."""
+
     prefix: int
     suffix: int
     middle: int
+    repo: int | None = None
+    file_sep: int | None = None
 
 
 def find_fim(vocab: dict[str, int]) -> FimTokens | None:
     for pre, suf, mid in FIM_FAMILIES:
         if pre in vocab and suf in vocab and mid in vocab:
-            return FimTokens(vocab[pre], vocab[suf], vocab[mid])
+            repo = next(((vocab[r], vocab[f]) for r, f in REPO_FAMILIES
+                         if r in vocab and f in vocab), (None, None))  # fmt: skip
+            return FimTokens(vocab[pre], vocab[suf], vocab[mid], *repo)
     return None
 
 
@@ -73,3 +94,29 @@ def fim_prompt(
     pre = prefix_ids[-pre_room:] if pre_room > 0 else []
     suf = suffix_ids[:suf_room]
     return [fim.prefix, *pre, fim.suffix, *suf, fim.middle]
+
+
+def repo_head(
+    fim: FimTokens,
+    encode: Callable[[str], list[int]],
+    repo: str,
+    files: Sequence[tuple[str, str]],
+    path: str,
+    budget: int,
+) -> tuple[list[int], int]:
+    """The repository-level layout's ids before ``<|fim_prefix|>``: ``<|repo_name|>repo``,
+    then ``<|file_sep|>path`` and the content of as many of ``files`` (``(path, text)``, in
+    order) as fit ``budget`` tokens, then the current file's ``<|file_sep|>path``; and how
+    many of ``files`` it holds. ``fim`` must have the layout's tokens."""
+    if fim.repo is None or fim.file_sep is None:
+        raise ValueError("the tokenizer has no repository-level layout")
+    head = [fim.repo, *encode(f"{repo}\n")]
+    tail = [fim.file_sep, *encode(f"{path}\n")]
+    used = 0
+    for other, text in files:
+        piece = [fim.file_sep, *encode(f"{other}\n{text.rstrip()}\n")]
+        if len(head) + len(piece) + len(tail) > budget:
+            break
+        head += piece
+        used += 1
+    return head + tail, used

@@ -65,6 +65,9 @@ class Connection:
     writer: asyncio.StreamWriter
     inflight: dict[int, tuple[asyncio.Task, Job | None]] = field(default_factory=dict)
     closed: bool = False
+    # the documents this client opened and has not closed: closed when it leaves, unless
+    # another connection holds them too (Server.release)
+    documents: set[str] = field(default_factory=set)
 
     def send(self, obj: dict[str, Any]) -> None:
         if self.closed or self.writer.is_closing():

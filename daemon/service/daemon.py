@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from codespec.daemon.config import Config
@@ -38,6 +39,12 @@ from codespec.daemon.text.healing import TokenTexts
 from codespec.speculators.policy import seed_costs
 
 log = logging.getLogger("codespec.daemon")
+
+
+# Parts above the service that start and stop with the daemon (codespec.daemon.view, which
+# the service imports nothing of): awaited with the server once it listens, and as it stops.
+ON_START: list[Callable[[Server], Awaitable[Any]]] = []
+ON_STOP: list[Callable[[Server], Awaitable[Any]]] = []
 
 
 class SocketInUse(RuntimeError):
@@ -114,6 +121,13 @@ class Server:
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         claim_socket_path(self.socket_path)  # before the model loads: a second serve fails fast
+        if self.engine is None and self.config.backend.kind != "local":
+            from codespec.daemon.backends.remote import RemoteEngine  # a server decodes
+
+            self.engine = await asyncio.to_thread(
+                RemoteEngine, self.config.model, self.config.backend
+            )
+        remote = getattr(self.engine, "remote", False)
         if self.engine is None:
             from codespec.daemon.engine.engine import Engine
 
@@ -121,11 +135,12 @@ class Server:
             self.engine = await asyncio.to_thread(
                 Engine, cfg.model, cfg.device, cfg.runner, max_slots=cfg.limits.kv_slots
             )
-        # the policy's first cost table: a few timed forwards, before the first request
-        seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
-        # the default method's proposers built once, so that a head (the EAGLE head shipped
-        # with the default model) loads now and not inside the first completion
-        await asyncio.to_thread(_preload, self.engine, self.config.speculation.default)
+        if not remote:
+            # the policy's first cost table: a few timed forwards, before the first request
+            seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
+            # the default method's proposers built once, so that a head (the EAGLE head
+            # shipped with the default model) loads now and not inside the first completion
+            await asyncio.to_thread(_preload, self.engine, self.config.speculation.default)
         self.index = self._load_index()
         from codespec.ngram_index import native as index_native
 
@@ -135,13 +150,15 @@ class Server:
         # token healing's table of every token's text (~0.2 s), built now, not inside the
         # first completion whose prompt is healed
         await asyncio.to_thread(TokenTexts.of, self.engine.tokenizer, self.engine.runner.vocab_size)
-        self.scheduler = Scheduler(
+        make = Scheduler
+        if remote:  # requests side by side, batched by the server
+            from codespec.daemon.backends.concurrent import RemoteScheduler as make
+        self.scheduler = make(
             self.engine,
             LockedIndex(self.index, self._index_lock),
             self.config.speculation,
             self.config.limits.max_queue,
         )
-        self.scheduler.cold_after = self.config.completion.cold_tokens
         self.scheduler.start()
         ws = self.config.workspace
         self.workspace = Workspace(
@@ -153,6 +170,8 @@ class Server:
         )
         await self._listen()
         log.info("serving on %s", self.socket_path)
+        for hook in ON_START:
+            await hook(self)
 
     async def _listen(self) -> None:
         claim_socket_path(self.socket_path)
@@ -175,6 +194,8 @@ class Server:
         self._stopping = True
         if self._server is not None:
             self._server.close()
+        for hook in ON_STOP:
+            await hook(self)
         for conn in list(self._connections):
             conn.close()
         if self.scheduler is not None:
@@ -196,6 +217,17 @@ class Server:
             await serve_connection(reader, conn, self._handlers)
         finally:
             self._connections.discard(conn)
+            if not self._stopping:  # stopping: the open documents go into the saved index
+                self.release(conn)
+
+    def release(self, conn: Connection) -> None:
+        """Close the documents ``conn`` opened that no other connection holds: an editor
+        that quits (its language server's connection closes) leaves none open."""
+        held = set().union(*(c.documents for c in self._connections if c is not conn))
+        for uri in sorted(conn.documents - held):
+            if uri in self.documents:
+                self.documents.close(uri)
+        conn.documents.clear()
 
     # -- the n-gram index ---------------------------------------------------------------
     def _load_index(self) -> Any:

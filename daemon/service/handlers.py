@@ -12,6 +12,7 @@ the index's insides, prompt building.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from codespec.daemon.engine import cpu_gemm, quant_gemm
-from codespec.daemon.engine.engine import GenParams
+from codespec.daemon.engine.engine import GenParams, Stats
 from codespec.daemon.engine.footprint import flat_weights
-from codespec.daemon.prompts import completion
+from codespec.daemon.prompts import completion, limits
 from codespec.daemon.service import protocol as proto
 from codespec.daemon.service.connection import Connection, Handler, Waiting, cancelled_frame
 from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError, parse
@@ -49,6 +50,9 @@ METHODS = (
     "shutdown",
 )
 Params = Mapping[str, Any]
+# Socket methods of parts above the service (codespec.daemon.view adds "view"), which the
+# service imports nothing of: name -> fn(server, params), a result map or an awaitable one.
+ADDED_METHODS: dict[str, Callable[[Any, Params], Any]] = {}
 
 
 def cpu_kernel(engine: Any) -> str:
@@ -72,6 +76,31 @@ def cpu_kernel(engine: Any) -> str:
     return cpu_gemm.unavailable_reason() or "off"
 
 
+class HeldDeltas:
+    """The deltas of a request whose result is its text shaped: only text that ``stable``
+    says the shaping keeps whatever comes next goes out as it is generated, and
+    :meth:`close` sends the rest of the result's text, so that the deltas add up to exactly
+    the text the result returns. Runs on the event loop."""
+
+    def __init__(self, send: Callable[[str], None], stable: Callable[[str], str]) -> None:
+        self.send, self.stable = send, stable
+        self.raw = ""
+        self.sent = ""
+
+    def feed(self, text: str) -> None:
+        self.raw += text
+        self._up_to(self.stable(self.raw))
+
+    def close(self, result: dict[str, Any]) -> dict[str, Any]:
+        self._up_to(result["text"])
+        return result
+
+    def _up_to(self, target: str) -> None:
+        if len(target) > len(self.sent) and target.startswith(self.sent):
+            self.send(target[len(self.sent) :])
+            self.sent = target
+
+
 class Methods:
     """The handlers of one daemon, by socket method name (:meth:`table`)."""
 
@@ -80,7 +109,10 @@ class Methods:
         self._warm_timers: dict[str, asyncio.TimerHandle] = {}
 
     def table(self) -> dict[str, Handler]:
-        return {m: getattr(self, m) for m in METHODS}
+        table: dict[str, Handler] = {m: getattr(self, m) for m in METHODS}
+        for name, fn in ADDED_METHODS.items():
+            table[name] = lambda conn, rid, raw, fn=fn: fn(self.srv, raw)
+        return table
 
     # -- helpers --------------------------------------------------------------------------
     def _sampling(self, p: proto.Sampling, default_tokens: int) -> tuple[GenParams, str]:
@@ -105,15 +137,32 @@ class Methods:
         return params, speculation
 
     def _submit(
-        self, conn: Connection, rid: int, job: Job, stream: bool, done: Callable[[JobResult], dict]
+        self,
+        conn: Connection,
+        rid: int,
+        job: Job,
+        stream: bool,
+        done: Callable[[JobResult], dict],
+        stable: Callable[[str], str] | None = None,
     ) -> Waiting:
+        """Queue ``job``; with ``stream``, its text goes out as deltas (with ``stable``,
+        through :class:`HeldDeltas`: the result's text shaped by ``done`` is what streams)."""
         scheduler = self.srv.scheduler
         assert scheduler is not None
         if stream:
             loop = asyncio.get_running_loop()
 
+            def send(text: str) -> None:
+                conn.send({"id": rid, "event": "delta", "text": text})
+
+            sink = send
+            if stable is not None:
+                held = HeldDeltas(send, stable)
+                sink, shaped = held.feed, done
+                done = lambda r: held.close(shaped(r))  # noqa: E731
+
             def on_delta(text: str) -> None:
-                loop.call_soon_threadsafe(conn.send, {"id": rid, "event": "delta", "text": text})
+                loop.call_soon_threadsafe(sink, text)
 
             job.on_delta = on_delta
         return Waiting(job, asyncio.wrap_future(scheduler.submit(job)), done)
@@ -130,10 +179,10 @@ class Methods:
             "runner": e.runner.name,
             "max_length": e.max_length,
             "capabilities": {
-                "methods": list(METHODS),
+                "methods": [*METHODS, *ADDED_METHODS],
                 "speculation": proposer_names(),
                 "streaming": True,
-                "edit": "fim" if e.fim is not None else "continue",  # the "auto" mode
+                "edit": completion.auto_mode(e),  # the "auto" mode
                 "edit_modes": list(completion.EDIT_MODES),
                 "fim": e.fim is not None,
                 "max_frame_bytes": proto.MAX_FRAME_BYTES,
@@ -145,6 +194,7 @@ class Methods:
     def open(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Open)
         d = self.srv.documents.open(p.uri, p.text, p.version, p.language)
+        conn.documents.add(p.uri)
         self._warm_later(p.uri, len(p.text), 0.0)
         return {"uri": p.uri, "version": d.version, "lines": d.doc.lines.line_count}
 
@@ -180,16 +230,19 @@ class Methods:
         doc = srv.documents.get(uri)
         try:
             prep = completion.prepare_complete(
-                srv.engine, srv.documents, srv.snippets, doc, min(offset, len(doc.text)), 16,
-                False, srv.config.limits.context_tokens, srv.config.completion.context,
+                srv.engine, srv.documents, srv.snippets, doc, min(offset, len(doc.text)),
+                limits.LINE_TOKENS, False, srv.config.limits.context_tokens,
+                srv.config.completion.context,
             )  # fmt: skip
-        except ProtocolError:  # nothing to complete from
+        except ProtocolError:  # no room for a prompt
             return
-        srv.scheduler.warm(uri, prep.prompt_ids)
+        if prep.prompt_ids:  # empty: nothing to complete from
+            srv.scheduler.warm(uri, prep.prompt_ids)
 
     def close(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Close)
         self.srv.documents.close(p.uri)
+        conn.documents.discard(p.uri)
         return {"uri": p.uri, "closed": True}
 
     def workspace(self, conn: Connection, rid: int, raw: Params) -> Any:
@@ -209,9 +262,9 @@ class Methods:
         return asyncio.to_thread(work)
 
     # -- model work -----------------------------------------------------------------------
-    def complete(self, conn: Connection, rid: int, raw: Params) -> Waiting:
+    def complete(self, conn: Connection, rid: int, raw: Params) -> Waiting | dict[str, Any]:
         p = parse(raw, proto.Complete)
-        params, speculation = self._sampling(p, 64 if p.multiline else 16)
+        params, speculation = self._sampling(p, limits.default_tokens(p.multiline))
         srv = self.srv
         doc = srv.documents.get(p.uri, p.version)
         prep = completion.prepare_complete(
@@ -225,15 +278,22 @@ class Methods:
             srv.config.limits.context_tokens,
             srv.config.completion.context,
             list(p.stop),
-            srv.config.completion.cold_tokens,
         )
+        if not prep.prompt_ids:  # a blank document: nothing to complete, not an error
+            stats = Stats(finish_reason="stop").as_dict()
+            return {"text": "", "finish_reason": "stop", "stats": stats}
         job = prepared_job(prep, params, speculation, "complete", p.uri)
 
         def done(r: JobResult) -> dict[str, Any]:
             text = completion.shape(r.text, p.multiline, r.finish_reason)
             return {"text": text, "finish_reason": r.finish_reason, "stats": r.stats}
 
-        return self._submit(conn, rid, job, p.stream, done)
+        # what shaping keeps of the text so far whatever comes next: what a "length"
+        # finish keeps (the shaping cuts only whole lines at the end, most at "length")
+        def stable(text: str) -> str:
+            return completion.shape(text, p.multiline, "length")
+
+        return self._submit(conn, rid, job, p.stream, done, stable)
 
     def edit(self, conn: Connection, rid: int, raw: Params) -> Waiting:
         p = parse(raw, proto.Edit)
@@ -316,6 +376,7 @@ class Methods:
             "runner": e.runner.name,
             "cpu_kernel": cpu_kernel(e),
             "kv_slots": e.max_slots,
+            "pid": os.getpid(),
             "uptime_s": round(time.time() - srv.started, 1),
             "connections": srv.connection_count,
             "documents": len(srv.documents),
@@ -325,6 +386,7 @@ class Methods:
             "proposers": req["proposers"],
             "policy": policy_summary(e),
             "tokens_per_s": req["tokens_per_s"],
+            "backend": e.status() if hasattr(e, "status") else {"kind": "local"},
         }
 
     def shutdown(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:

@@ -48,6 +48,7 @@ STALE_VERSION = "stale_version"  # the version does not follow the daemon's; re-
 CANCELLED = "cancelled"  # cancelled by `cancel`, a newer request, disconnect or shutdown
 OVERLOADED = "overloaded"  # the queue is full; retry later
 INTERNAL = "internal"  # a bug; the message says what
+BACKEND = "backend"  # the inference server (serve --backend vllm) is down, slow or wrong
 ERROR_CODES = (
     BAD_FRAME,
     BAD_PARAMS,
@@ -57,6 +58,7 @@ ERROR_CODES = (
     CANCELLED,
     OVERLOADED,
     INTERNAL,
+    BACKEND,
 )
 
 

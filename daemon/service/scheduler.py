@@ -103,9 +103,6 @@ class Job:
     draft_text_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)
     tracker: TextTracker | None = None
-    # a shorter prompt with the same end, taken instead of prompt_ids when the spot is
-    # cold (Scheduler.cold_after); the tracker reads only the prompt's last tokens
-    cold_ids: list[int] | None = None
     on_delta: Callable[[str], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
@@ -165,7 +162,7 @@ def prepared_job(prep: Any, params: GenParams, speculation: str, kind: str, uri:
     """A job for a request :mod:`codespec.daemon.prompts.completion` prepared."""
     params.constraint = prep.constraint
     return Job(prep.prompt_ids, params, speculation, kind, uri, prep.draft_ids,
-               tracker=prep.tracker, cold_ids=getattr(prep, "cold_ids", None))  # fmt: skip
+               tracker=prep.tracker)  # fmt: skip
 
 
 def speculation_policy(requested: str, max_draft: int, active: int, cfg: Any) -> tuple[str, int]:
@@ -205,12 +202,9 @@ class Scheduler:
         self.accepted: dict[str, int] = {}
         self._warm: dict[str, list[int]] = {}  # uri -> a prompt to prefill when idle
         self.recent = RecentOutputs()  # what requests generated, per document: drafts
-        # a job's prompt with more than this many tokens in no cache takes its cold_ids
-        # (0: never; the daemon sets completion.cold_tokens)
-        self.cold_after = 0
-        self.cold_windows = 0  # requests that took their cold prompt
         self.warmed = 0
         self.warmed_tokens = 0
+        self.view: Any = None  # the open live view's Recorder (codespec.daemon.view), else None
 
     # -- API (any thread) ---------------------------------------------------------------
     def start(self) -> None:
@@ -283,7 +277,6 @@ class Scheduler:
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
             "warmed": self.warmed,
-            "cold_windows": self.cold_windows,
             "warmed_tokens": self.warmed_tokens,
             "proposers": sources,
         }
@@ -322,6 +315,8 @@ class Scheduler:
                 continue
             try:
                 self._turn(job)
+            except ProtocolError as exc:  # an outcome with its code (a backend's failure)
+                self._finish(job, error=exc)
             except Exception as exc:  # a bug: fail this request, keep serving
                 log.exception("request failed")
                 self.engine.reset_cache()
@@ -356,8 +351,6 @@ class Scheduler:
         if job.params.max_tokens - len(job.out_ids) <= 0:
             self._finish(job, "length")
             return
-        if not job.turns:
-            self._choose_window(job)
         try:
             proposer, params, info = self._plan(job)
         except (ValueError, LookupError) as exc:  # "eagle" with no head: the request's fault
@@ -382,19 +375,6 @@ class Scheduler:
             self._queue.append(job)
             self._cond.notify_all()
 
-    def _choose_window(self, job: Job) -> None:
-        """Before a job's first turn: at a cold spot (more than ``cold_after`` of its
-        prompt's tokens in no KV cache, a jump to another function or file) take its
-        shorter prompt, when that one needs less prefill. The whole window is what the
-        next pause warms (``completion.warm_after_s``); then requests use it again."""
-        cold, job.cold_ids = job.cold_ids, None
-        if cold is None or self.cold_after <= 0:
-            return
-        missing = len(job.prompt_ids) - self.engine.cached_tokens(job.prompt_ids)
-        if missing > self.cold_after and len(cold) - self.engine.cached_tokens(cold) < missing:
-            job.prompt_ids = cold
-            self.cold_windows += 1
-
     def _plan(self, job: Job) -> tuple[Any, GenParams, RequestInfo]:
         """This turn's proposer (speculation backs off under load), parameters and info:
         the request resumes after what it generated in earlier turns."""
@@ -403,7 +383,11 @@ class Scheduler:
         name, max_draft = speculation_policy(
             job.speculation, job.params.max_draft, active, self.cfg
         )
-        proposer = make_proposer(name, self.engine, self.index)
+        # a remote engine (codespec.daemon.backends) speculates on its server: no proposer
+        remote = getattr(self.engine, "remote", False)
+        proposer = None if remote else make_proposer(name, self.engine, self.index)
+        if (view := self.view) is not None:  # the view notes this turn's steps
+            proposer = view.wrap(job, proposer, name, max_draft, active)
         job.speculation_used = job.speculation_used or name
         if name == "off" and job.speculation != "off":
             job.speculation_used = "off (busy)"
@@ -479,6 +463,8 @@ class Scheduler:
         with self._cond:
             if self._running is job:
                 self._running = None
+        if (view := self.view) is not None:
+            view.finish(job, error.code if error is not None else finish)
         self.recent.add(job.uri, job.prompt_ids, job.out_ids)  # cancelled ones too
         if error is None and (finish == "cancelled" or job.future.done()):
             error = ProtocolError(CANCELLED, "the request was cancelled")

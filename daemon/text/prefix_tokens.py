@@ -10,28 +10,44 @@ Why: a completion reads ~12 characters per prompt token before the cursor (a 1,0
 window reads 12 KB) and tokenizing it took 3.3-4 ms of every keystroke on this project's
 CPU, 33 ms with an 8k window at the end of a 120 KB file.
 
-When splitting is exact: the tokenizer has no normalizer and its only pre-tokenizer is
-ByteLevel with its GPT-2 regex (``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+|
-?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``; SmolLM2's, GPT-2's). At a position ``q`` whose
-character is ASCII whitespace and whose previous one is a printable ASCII character
-other than a space, every match ends: none holds a non-space followed by whitespace
-(only a match's first character may be a space). The matches before ``q`` end where
-they did in ``text[:q]`` (none looks past its end there but ``\\s+(?!\\S)``, which
-ends before ``q - 1``), and the regex, with no look-behind, matches ``text[q:]`` as it
-matches the rest of ``text``; BPE merges within a match. So ``encode(text) ==
-encode(text[:q]) + encode(text[q:])``. Text holding an added token's string (special
-tokens are split out before the regex) is encoded whole, as is text of any other
-tokenizer.
+When splitting is exact (a split point ``q``: ``encode(text) == encode(text[:q]) +
+encode(text[q:])``), for the two pre-tokenizers known here; text holding an added token's
+string (special tokens are split out before the regex) is encoded whole, as is text of
+any other tokenizer.
+
+- ByteLevel with its GPT-2 regex, no normalizer (SmolLM2's, GPT-2's: ``'s|'t|'re|'ve|'m|
+  'll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``). ``q``: its character is
+  ASCII whitespace and the previous one a printable ASCII character other than a space.
+  Every match ends there: none holds a non-space followed by whitespace (only a match's
+  first character may be a space). The matches before ``q`` end where they did in
+  ``text[:q]`` (none looks past its end there but ``\\s+(?!\\S)``, which ends before
+  ``q - 1``), and the regex, with no look-behind, matches ``text[q:]`` as it matches the
+  rest of ``text``; BPE merges within a match.
+- Qwen2's: a Split regex (``(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|
+  \\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+``, isolated), then
+  ByteLevel without its regex, NFC or no normalizer. Punctuation takes the line breaks
+  after it (``):\\n`` is one match) and a letter run the one character before it, so ``q``
+  is narrower: its character is ASCII whitespace and the previous one an ASCII letter or
+  digit. No alternative holds a letter or digit followed by whitespace (letter runs end
+  at the whitespace, a digit is a match alone), so a match ends at ``q``; no scan of an
+  earlier match reads past ``q - 1`` (a letter run's end sees whitespace in ``text`` and
+  the end in ``text[:q]``: it ends at ``q`` both ways); the regex has no look-behind. NFC
+  keeps the split: ASCII whitespace has combining class 0 and is never the second
+  character of a composition, and an ASCII letter or digit is never changed by what
+  precedes it, so ``NFC(text) == NFC(text[:q]) + NFC(text[q:])`` with the same two
+  characters at the seam.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
-from tokenizers import pre_tokenizers
+from tokenizers import normalizers, pre_tokenizers
 
 __all__ = ["PrefixEncoder", "prefix_encoder"]
 
@@ -42,21 +58,58 @@ SEARCH = 4096  # how far back from the cursor's line a split is looked for
 _ENCODERS: weakref.WeakKeyDictionary[Any, PrefixEncoder] = weakref.WeakKeyDictionary()
 
 
-def _splits_exactly(backend: Any) -> bool:
-    """Whether ``backend`` (a ``tokenizers.Tokenizer``) tokenizes only by ByteLevel's
-    GPT-2 regex (see the module docstring). Read from its pre-tokenizer object: its JSON
-    (the whole vocabulary, 1.5 MB for SmolLM2) took ~130 ms to write and parse."""
-    pre = backend.pre_tokenizer
+# Qwen2's Split regex (see the module docstring)
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+
+
+def _gpt2_boundary(c_before: str, c: str) -> bool:
+    return c in " \t\n\r" and "!" <= c_before <= "~"
+
+
+def _qwen2_boundary(c_before: str, c: str) -> bool:
+    return c in " \t\n\r" and c_before in _ALNUM
+
+
+def _is_qwen2(pre: Any) -> bool:
+    """Whether ``pre`` is Qwen2's pre-tokenizer: its Split regex (isolated), then ByteLevel
+    without its own regex. Read from the pre-tokenizer's own small JSON state."""
+    if not isinstance(pre, pre_tokenizers.Sequence):
+        return False
+    parts = json.loads(pre.__getstate__()).get("pretokenizers", [])
+    if len(parts) != 2:
+        return False
+    split, level = parts
     return (
-        backend.normalizer is None
-        and isinstance(pre, pre_tokenizers.ByteLevel)
-        and pre.use_regex
-        and not pre.add_prefix_space
+        split.get("type") == "Split"
+        and split.get("pattern") == {"Regex": QWEN2_REGEX}
+        and split.get("behavior") == "Isolated"
+        and not split.get("invert")
+        and level.get("type") == "ByteLevel"
+        and not level.get("use_regex")
+        and not level.get("add_prefix_space")
     )
 
 
-def _boundary(c_before: str, c: str) -> bool:
-    return c in " \t\n\r" and "!" <= c_before <= "~"
+def split_rule(backend: Any) -> Callable[[str, str], bool] | None:
+    """The split-point test for ``backend`` (a ``tokenizers.Tokenizer``): ``(character
+    before, character) -> whether a split there is exact``, or None (never split). Read
+    from its normalizer and pre-tokenizer objects: the whole tokenizer's JSON (its
+    vocabulary, 1.5 MB for SmolLM2) took ~130 ms to write and parse."""
+    pre, norm = backend.pre_tokenizer, backend.normalizer
+    if (
+        norm is None
+        and isinstance(pre, pre_tokenizers.ByteLevel)
+        and pre.use_regex
+        and not pre.add_prefix_space
+    ):
+        return _gpt2_boundary
+    if (norm is None or isinstance(norm, normalizers.NFC)) and _is_qwen2(pre):
+        return _qwen2_boundary
+    return None
 
 
 class PrefixEncoder:
@@ -69,7 +122,8 @@ class PrefixEncoder:
 
     def __init__(self, tokenizer: Any) -> None:
         self.backend = tokenizer.backend_tokenizer
-        self.exact = _splits_exactly(self.backend)
+        self.boundary = split_rule(self.backend)
+        self.exact = self.boundary is not None
         added = self.backend.get_added_tokens_decoder().values()
         self.added = [a.content for a in added if a.content]
         self._kept: OrderedDict[str, list[int]] = OrderedDict()
@@ -86,7 +140,7 @@ class PrefixEncoder:
         q = text.rfind("\n")  # the cursor's line starts after it; the "\n" itself may split
         stop = max(0, q - SEARCH)
         while q > stop:
-            if _boundary(text[q - 1], text[q]):
+            if self.boundary(text[q - 1], text[q]):
                 return q
             q -= 1
         return 0

@@ -3,11 +3,12 @@ ended by the stop rules.
 
 Owns :class:`TextTracker` — fed each step's new token ids, it returns the new text
 to send and whether a rule ended the text — and the rules themselves: stop
-strings, stop lines (the code after the cursor), loops, the end of an edit's
-region. Detokenization is the tokenizers library's ``DecodeStream`` (it holds back
-incomplete UTF-8), primed with the prompt's last tokens so the first token decodes
-as a continuation (a SentencePiece tokenizer would otherwise drop its leading
-space). Each token is decoded once: the text is never rebuilt from all the ids.
+strings, the suffix stop (the code after the cursor: the rest of its line, the next
+line), loops, the end of an edit's region, the first line's indentation.
+Detokenization is the tokenizers library's ``DecodeStream`` (it holds back incomplete
+UTF-8), primed with the prompt's last tokens so the first token decodes as a
+continuation (a SentencePiece tokenizer would otherwise drop its leading space). Each
+token is decoded once: the text is never rebuilt from all the ids.
 
 Must not touch: the model, sampling, documents. The engine gives ids; this gives text.
 """
@@ -56,6 +57,18 @@ class TextTracker:
       (an edit's first line); emitted first, the rules see it.
     - ``stop_lines``: a completed line equal to one of them (whitespace aside) ends
       the text before that line; the first line counts when ``first_line_counts``.
+    - ``rest``: the text right of the cursor on its line. When the first line, once
+      complete (a line break or the end), ends with it (whitespace at its ends aside),
+      the text ends there, before it: the completion reached the code after the cursor
+      and does not write it again (``x)`` with ``)`` right of the cursor gives ``x``; a
+      space before the rest is left to the rest).
+    - ``max_indent``: the first line's leading spaces and tabs are cut to at most this
+      many (the cursor stands after indentation the model may write again).
+    - ``fences``: a line starting with a Markdown fence (```` ``` ````) ends the text
+      before that line, the first line too (an instruct model closing a chat answer's
+      code block; what follows it is prose).
+    - ``unwrap``: a first line opening a fence (```` ```python ````) is dropped, and a
+      later fence line ends the text (a chat reply's code block, without the fence).
     - ``cut_loops``: a completed line written the third time, or one that
       :func:`repeats_a_piece`, ends the text before that line (``looped``).
     - ``region = (indent, k)``: the text ends before the ``k+1``-th non-blank line
@@ -80,6 +93,10 @@ class TextTracker:
         cut_loops: bool = False,
         region: tuple[int, int] | None = None,
         trailing: str | None = None,
+        rest: str = "",
+        max_indent: int | None = None,
+        fences: bool = False,
+        unwrap: bool = False,
     ) -> None:
         self._tok = tokenizer
         self._stream = DecodeStream(ids=list(prompt_ids[-PRIME_TOKENS:]) or None)
@@ -89,6 +106,9 @@ class TextTracker:
         self.first_line_counts = first_line_counts
         self.cut_loops = cut_loops
         self.region = region
+        self.rest, self.rest_space = rest.strip(), rest[:1].isspace()
+        self.max_indent, self.fences, self.unwrap = max_indent, fences, unwrap
+        self.trimmed = 0  # leading whitespace cut off the first line (max_indent)
         self.raw = ""  # the decoded continuation, skip included
         self.ends: list[int] = []  # len(raw) after each token
         self.text = ""  # lead + raw after skip, cut by the rules
@@ -103,7 +123,10 @@ class TextTracker:
     @property
     def holds_lines(self) -> bool:
         """Whether a rule may still cut the last line (so it is held back)."""
-        return bool(self.stop_lines or self.cut_loops or self.region or self.trailing is not None)
+        return bool(
+            self.stop_lines or self.cut_loops or self.region or self.rest or self.fences
+            or self.unwrap or self.trailing is not None
+        )  # fmt: skip
 
     def feed(self, ids: Sequence[int], final: bool = False) -> tuple[str, bool]:
         """Take a step's new token ids; the new text to send, and whether a rule ended it."""
@@ -115,21 +138,39 @@ class TextTracker:
             self.ends.append(len(self.raw))
         if len(self.raw) < len(self.skip):
             return "", False
-        self.text = self.lead + self.raw[len(self.skip) :]
+        self.text = self._indented(self.lead + self.raw[len(self.skip) :])
         cut = self._rules()
         if cut is not None:
             at, through = cut
             self.text = self._ending(self.text[:at])
             self.stopped = True
-            self.tokens_used = self._tokens_for(len(self.skip) + through - len(self.lead))
+            raw_end = len(self.skip) + through + self.trimmed - len(self.lead)
+            self.tokens_used = self._tokens_for(raw_end)
             return self._take(len(self.text)), True
         if final:
             return self._finish()
         return self._take(max(self._safe_end(), self.emitted)), False
 
+    def _indented(self, text: str) -> str:
+        """``text`` with its first line's leading whitespace cut to ``max_indent``, or
+        its first line dropped where it opens a fence (``unwrap``)."""
+        if self.unwrap:
+            nl = text.find("\n")
+            self.trimmed = nl + 1 if nl >= 0 and text[:nl].strip().startswith("```") else 0
+            return text[self.trimmed :]
+        if self.max_indent is None:
+            return text
+        ws = len(text) - len(text.lstrip(" \t"))
+        self.trimmed = max(0, ws - self.max_indent)
+        return text[: self.max_indent] + text[ws:] if self.trimmed else text
+
     def _safe_end(self) -> int:
         """How much of the text no rule can take back any more."""
         end = len(self.text)
+        if self.max_indent is not None and not self.text.strip(" \t"):
+            return 0  # the first line's indentation may still grow past max_indent
+        if self.unwrap and not self.trimmed and "\n" not in self.text:
+            return 0  # the first line may still be a fence to drop
         for s in self.stop:  # a trailing piece may be the start of a stop string
             for k in range(min(len(s) - 1, end), 0, -1):
                 if self.text[:end].endswith(s[:k]):
@@ -160,23 +201,44 @@ class TextTracker:
                 return None
             start, line, n = self._scan, self.text[self._scan : nl], self._line_no
             self._scan, self._line_no = nl + 1, n + 1
+            if n == 0 and (at := self._before_rest(line)) is not None:
+                return start + at, nl + 1
             key = line.strip()
             stop_line = (n > 0 or self.first_line_counts) and key in self.stop_lines
             self._seen[key] = self._seen.get(key, 0) + 1
             if self.region is not None and key and indent_width(line) <= self.region[0]:
                 self._top += 1
                 stop_line = stop_line or self._top > self.region[1]
+            stop_line = stop_line or ((self.fences or self.unwrap) and key.startswith("```"))
             looping = bool(self.cut_loops and key and
                            (self._seen[key] >= 3 or repeats_a_piece(line)))  # fmt: skip
             if stop_line or looping:
                 self.looped = not stop_line
                 return max(0, start - 1), nl + 1  # the line break before it goes too
 
+    def _before_rest(self, line: str) -> int | None:
+        """Where the first line ``line`` stops before the rest of the cursor's line it
+        ends with (``rest``), or None."""
+        body = line.rstrip()
+        if not self.rest or not body.endswith(self.rest):
+            return None
+        head = body[: len(body) - len(self.rest)]
+        return len(head.rstrip(" \t") if self.rest_space else head)
+
     def _finish(self) -> tuple[str, bool]:
         """The text ended without a rule firing: the unfinished last line gets the line
         rules too, as if it were complete."""
         start = self._scan
         line = self.text[start:]
+        at = self._before_rest(line) if self._line_no == 0 else None
+        if at is None and (self.fences or self.unwrap) and line.strip().startswith("```"):
+            at = max(0, start - 1)
+        elif at is not None:
+            at += start
+        if at is not None:
+            self.stopped = True
+            self.text = self._ending(self.text[:at])
+            return self._take(len(self.text)), True
         key = line.strip()
         looped = bool(self.cut_loops and key and
                       (self._seen.get(key, 0) >= 2 or repeats_a_piece(line)))  # fmt: skip

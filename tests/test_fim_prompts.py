@@ -1,0 +1,126 @@
+"""Qwen2.5-Coder's prompt layouts, token for token, with its real tokenizer (skipped where
+the model is not on the machine) over a tiny random Qwen2: the file-level FIM prompt
+(``context = "none"``), the repository-level one with the current file's path
+(``header``) and with the other open files' snippets (``crossfile``), the stop tokens,
+and edits through the chat template with the old text as the draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qwen_local import qwen_dir
+
+from codespec.daemon.prompts import completion
+from codespec.daemon.prompts.crossfile import SnippetCache
+from codespec.daemon.service.documents import DocumentStore
+from conftest import copy_tokenizer
+
+FIM_PREFIX, FIM_MIDDLE, FIM_SUFFIX, FIM_PAD = 151659, 151660, 151661, 151662
+REPO_NAME, FILE_SEP, ENDOFTEXT, IM_END = 151663, 151664, 151643, 151645
+
+OTHER = "".join(f"def helper_{i}(value):\n    return value * {i}\n\n" for i in range(6))
+TEXT = (
+    "from util import helper_2\n\n\ndef total(values):\n    result = 0\n"
+    "    for value in values:\n        result += helper_2(value)\n    return result\n"
+)
+CURSOR = TEXT.index("    return result")
+
+
+@pytest.fixture(scope="module")
+def qwen_tiny(request, tmp_path_factory):
+    """A tiny random Qwen2 with Qwen2.5-Coder's tokenizer files and chat template."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from codespec.daemon.engine.engine import Engine
+
+    folder = copy_tokenizer(qwen_dir(request), tmp_path_factory.mktemp("qwen_tiny"))
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
+    Qwen2ForCausalLM(cfg).eval().save_pretrained(folder)
+    return Engine(folder, device="cpu")
+
+
+def ids_of(engine, layout: str) -> list[int]:
+    """The tokenizer's own ids of a layout written out (special tokens as their text)."""
+    return engine.tokenizer.encode(layout, add_special_tokens=False)
+
+
+def prompt(engine, context: str, others=()) -> list[int]:
+    store = DocumentStore()
+    for uri, text in others:
+        store.open(uri, text, 1, "python")
+    doc = store.open("file:///home/u/shop/cart.py", TEXT, 1, "python")
+    prep = completion.prepare_complete(engine, store, SnippetCache(), doc, CURSOR, 16, False,
+                                       1024, context)  # fmt: skip
+    return prep.prompt_ids
+
+
+def test_the_fim_tokens_and_the_stops_are_qwens(qwen_tiny):
+    fim = qwen_tiny.fim
+    assert (fim.prefix, fim.suffix, fim.middle) == (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)
+    assert (fim.repo, fim.file_sep) == (REPO_NAME, FILE_SEP)
+    assert {ENDOFTEXT, FIM_PAD, FILE_SEP, IM_END} <= qwen_tiny.stop_ids
+
+
+def test_file_level_fim_prompt(qwen_tiny):
+    ids = prompt(qwen_tiny, "none")
+    layout = f"<|fim_prefix|>{TEXT[:CURSOR]}<|fim_suffix|>{TEXT[CURSOR:]}<|fim_middle|>"
+    assert ids == ids_of(qwen_tiny, layout)
+    assert ids[0] == FIM_PREFIX and ids[-1] == FIM_MIDDLE and FIM_SUFFIX in ids
+
+
+def test_repository_level_prompt_with_the_current_path(qwen_tiny):
+    ids = prompt(qwen_tiny, "header")
+    layout = (
+        "<|repo_name|>shop\n<|file_sep|>cart.py\n"
+        f"<|fim_prefix|>{TEXT[:CURSOR]}<|fim_suffix|>{TEXT[CURSOR:]}<|fim_middle|>"
+    )
+    assert ids == ids_of(qwen_tiny, layout)
+    assert ids[:1] == [REPO_NAME] and ids.count(FILE_SEP) == 1
+
+
+def test_repository_level_prompt_with_other_files(qwen_tiny):
+    """The other open file's chunk under its path (relative to the repository, the
+    current file's folder; another folder's file by its last two parts), then the
+    current file's path and the FIM prompt."""
+    others = [("file:///home/u/shop/util.py", OTHER), ("file:///home/u/lib/x/far.py", OTHER)]
+    ids = prompt(qwen_tiny, "crossfile", others)
+    assert ids[0] == REPO_NAME and ids.count(FILE_SEP) >= 2
+    text = qwen_tiny.tokenizer.decode(ids)
+    head, fim_part = text.split("<|fim_prefix|>")
+    assert head.startswith("<|repo_name|>shop\n<|file_sep|>")
+    assert head.endswith("<|file_sep|>cart.py\n")
+    files = head.split("<|file_sep|>")[1:-1]
+    assert files and all(f.split("\n", 1)[0] in ("util.py", "x/far.py") for f in files)
+    assert all(f.split("\n", 1)[1] in OTHER.rstrip() + "\n" for f in files)
+    assert ids == ids_of(qwen_tiny, text)  # the tokenizer's own ids of that layout
+    assert fim_part == f"{TEXT[:CURSOR]}<|fim_suffix|>{TEXT[CURSOR:]}<|fim_middle|>"
+
+
+def test_the_repo_paths_of_uris():
+    repo, here, paths = completion.repo_paths(
+        "file:///w/proj/pkg/a.py", ["file:///w/proj/pkg/sub/b.py", "file:///elsewhere/x/c.py"]
+    )
+    assert (repo, here, paths) == ("pkg", "a.py", ["sub/b.py", "x/c.py"])
+
+
+def test_an_edit_goes_through_the_chat_template_with_the_old_text_as_draft(qwen_tiny):
+    """``auto`` picks ``chat`` for a code model with FIM tokens and a chat template: one
+    user turn holding the instruction and the old region, which is also the draft the
+    proposers copy; the reply's fence is unwrapped and it ends with the old region's
+    line break."""
+    start = TEXT.index("def total")
+    old = TEXT[start:]
+    ep = completion.edit_prompt(qwen_tiny, TEXT, start, len(TEXT), old, "rename result",
+                                "python", 64)  # fmt: skip
+    assert ep.mode == "chat" and ep.draft_ids == qwen_tiny.encode(old)
+    rendered = qwen_tiny.tokenizer.decode(ep.prompt_ids)
+    assert rendered.startswith("<|im_start|>system\n")
+    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert f"<region>\n{old}</region>" in rendered and "rename result" in rendered
+    prep = completion.prepare_edit(qwen_tiny, ep, old)
+    reply = "```python\ndef total(values):\n    return sum(values)\n```\nThis sums them."
+    piece, hit = prep.tracker.feed(qwen_tiny.encode(reply), final=True)
+    assert hit and piece == prep.tracker.text == "def total(values):\n    return sum(values)\n"
