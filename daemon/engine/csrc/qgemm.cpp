@@ -38,10 +38,13 @@
 // the weights of a group (64 outputs; 32 from 5 rows on, for registers) in registers as
 // they stream in and uses each vector for every row; "scratch" for more rows widens a
 // group's panels (K x 16 floats each, in L2) once and runs a register-blocked fp32
-// product over them, so the widening is paid once for all rows. Exact widening costs one
-// FMA per weight vector besides the rows' own: a one-row product is bound by the vector
-// pipes (about 10 GB/s of Q4_1 per Zen 4 core), many rows by the FMA units (16 fp32
-// multiply-adds per cycle per core).
+// product over them, so the widening is paid once for all rows. Both paths are one source,
+// qgemm_exact.inc.cpp, included by each vector ISA's namespace over that ISA's primitives
+// for 16 columns (load and expand a group, its quants as floats, scales, fma, store); only
+// the primitives and the pass shapes (rows and panels a pass, for the registers) are
+// written per ISA. Exact widening costs one FMA per weight vector besides the rows' own:
+// a one-row product is bound by the vector pipes (about 10 GB/s of Q4_1 per Zen 4 core),
+// many rows by the FMA units (16 fp32 multiply-adds per cycle per core).
 //
 // A second product, cs_qgemm_i8, is what llama.cpp does instead: each row of x is rounded
 // to int8 per 32 k (one fp32 scale per 32), and blocks are multiplied by integer dot
@@ -716,154 +719,44 @@ inline void put(const Args& a, int64_t m, int64_t n, V v, __mmask16 mk) {
   _mm512_mask_storeu_ps(a.y + m * a.ldy + n, mk, v);
 }
 
-// MR rows (from m) x NP panels (from p): widen in registers, every weight vector used for
-// all MR rows; MR * NP independent FMA chains.
+// 16 columns for qgemm_exact.inc.cpp: one zmm.
+using W = V;
+using G = I;
+inline W wzero() { return _mm512_setzero_ps(); }
+inline W wset1(float f) { return _mm512_set1_ps(f); }
+inline W wfma(W a, W b, W c) { return _mm512_fmadd_ps(a, b, c); }
+inline W wload(const float* p) { return _mm512_loadu_ps(p); }
+inline void wstore(float* p, W w) { _mm512_storeu_ps(p, w); }
+template <int T, int t>
+inline W wquant(G z) {
+  return quant<T, t>(z);
+}
+inline void put16(const Args& a, int64_t m, int64_t n, W v, int64_t cols) {
+  put(a, m, n, v, cols_mask(cols));
+}
+
 template <int T, int MR, int NP>
-void direct(const Args& a, int64_t m, int64_t p) {
-  using F = Tr<T>;
-  constexpr int BYTES = 16 * F::NATIVE;
-  V acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
-  const float* x = a.x + m * a.ldx;
-  const Ref pr = ref_of(a, p, BYTES);
-  const int64_t nb = a.K / F::BK;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < F::BK / F::SUB; ++j) {
-      V sc[NP], off[NP];
-      for (int q = 0; q < NP; ++q) scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
-      for (int g = 0; g < F::SUB / 4; ++g) {
-        const int gi = j * (F::SUB / 4) + g;
-        const int64_t k = b * F::BK + 4 * gi;
-        I z[NP];
-        for (int q = 0; q < NP; ++q) {
-          const uint8_t* gp = group_at(pr, b, F::GOFF, F::GB, gi, q);
-          z[q] = group<T>(gp);
-        }
-        auto step = [&](auto tc) {
-          constexpr int t = decltype(tc)::value;
-          V xb[MR];
-          for (int r = 0; r < MR; ++r) xb[r] = _mm512_set1_ps(x[r * a.ldx + k + t]);
-          for (int q = 0; q < NP; ++q) {
-            const V w = _mm512_fmadd_ps(sc[q], quant<T, t>(z[q]), off[q]);
-            for (int r = 0; r < MR; ++r) acc[r][q] = _mm512_fmadd_ps(xb[r], w, acc[r][q]);
-          }
-        };
-        step(std::integral_constant<int, 0>());
-        step(std::integral_constant<int, 1>());
-        step(std::integral_constant<int, 2>());
-        step(std::integral_constant<int, 3>());
-      }
-    }
-  }
-  for (int q = 0; q < NP; ++q) {
-    const __mmask16 mk = cols_mask(a.N - 16 * (p + q));
-    for (int r = 0; r < MR; ++r) put(a, m + r, 16 * (p + q), acc[r][q], mk);
-  }
-}
+void direct_range(const Args& a, int64_t p0, int64_t p1);
 
-// Panels r.q .. r.q + n - 1 (of one group) widened, read in the order they are stored:
-// S + i * K * 16 holds panel r.q + i as S[k][16], k < K.
+// The direct path's passes for 1 to 8 rows: four panels a pass up to 4 rows, two beyond.
 template <int T>
-void widen_run(const Ref& r, int64_t n, int64_t K, float* S) {
-  using F = Tr<T>;
-  const int64_t nb = K / F::BK;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < F::BK / F::SUB; ++j) {
-      V sc[GROUP], off[GROUP];
-      for (int64_t i = 0; i < n; ++i) scales<T>(head_at(r, b, F::GOFF, i), j, sc[i], off[i]);
-      for (int g = 0; g < F::SUB / 4; ++g) {
-        const int gi = j * (F::SUB / 4) + g;
-        for (int64_t i = 0; i < n; ++i) {
-          const I z = group<T>(group_at(r, b, F::GOFF, F::GB, gi, i));
-          float* s = S + i * K * 16 + 16 * (b * F::BK + 4 * gi);
-          _mm512_storeu_ps(s, _mm512_fmadd_ps(sc[i], quant<T, 0>(z), off[i]));
-          _mm512_storeu_ps(s + 16, _mm512_fmadd_ps(sc[i], quant<T, 1>(z), off[i]));
-          _mm512_storeu_ps(s + 32, _mm512_fmadd_ps(sc[i], quant<T, 2>(z), off[i]));
-          _mm512_storeu_ps(s + 48, _mm512_fmadd_ps(sc[i], quant<T, 3>(z), off[i]));
-        }
-      }
-    }
+bool direct_panels(const Args& a, int64_t p0, int64_t p1) {
+  switch (a.M) {
+    case 1: direct_range<T, 1, 4>(a, p0, p1); return true;
+    case 2: direct_range<T, 2, 4>(a, p0, p1); return true;
+    case 3: direct_range<T, 3, 4>(a, p0, p1); return true;
+    case 4: direct_range<T, 4, 4>(a, p0, p1); return true;
+    case 5: direct_range<T, 5, 2>(a, p0, p1); return true;
+    case 6: direct_range<T, 6, 2>(a, p0, p1); return true;
+    case 7: direct_range<T, 7, 2>(a, p0, p1); return true;
+    case 8: direct_range<T, 8, 2>(a, p0, p1); return true;
+    default: return false;
   }
-}
-
-// MR rows (from m) of one widened panel p.
-template <int MR>
-void rows(const Args& a, int64_t m, int64_t p, const float* S) {
-  V acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const float* x = a.x + m * a.ldx;
-  for (int64_t k = 0; k < a.K; ++k) {
-    const V w = _mm512_loadu_ps(S + 16 * k);
-    for (int r = 0; r < MR; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * a.ldx + k]), w, acc[r]);
-  }
-  const __mmask16 mk = cols_mask(a.N - 16 * p);
-  for (int r = 0; r < MR; ++r) put(a, m + r, 16 * p, acc[r], mk);
 }
 
 constexpr int SCRATCH_ROWS = 8;  // rows per pass over a widened panel (8 FMA chains)
 
-template <int T, int MR, int NP>
-void direct_range(const Args& a, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1;) {
-    const int64_t end = group_end(p, p1);
-    for (; p + NP <= end; p += NP) direct<T, MR, NP>(a, 0, p);
-    for (; p < end; ++p) direct<T, MR, 1>(a, 0, p);
-  }
-}
-
-template <int T>
-void panels(const Args& a, int64_t p0, int64_t p1) {
-  switch (a.M) {
-    case 1: return direct_range<T, 1, 4>(a, p0, p1);
-    case 2: return direct_range<T, 2, 4>(a, p0, p1);
-    case 3: return direct_range<T, 3, 4>(a, p0, p1);
-    case 4: return direct_range<T, 4, 4>(a, p0, p1);
-    case 5: return direct_range<T, 5, 2>(a, p0, p1);
-    case 6: return direct_range<T, 6, 2>(a, p0, p1);
-    case 7: return direct_range<T, 7, 2>(a, p0, p1);
-    case 8: return direct_range<T, 8, 2>(a, p0, p1);
-    default: break;
-  }
-  float* S0 = scratch(GROUP * a.K * 16);
-  for (int64_t m0 = 0; m0 < a.M; m0 += ROW_CHUNK) {
-    const int64_t m1 = a.M - m0 < ROW_CHUNK ? a.M : m0 + ROW_CHUNK;
-    for (int64_t p = p0; p < p1;) {  // a group's panels (or those of this range) at once
-      const int64_t end = group_end(p, p1);
-      widen_run<T>(ref_of(a, p, 16 * Tr<T>::NATIVE), end - p, a.K, S0);
-      for (int64_t q = p; q < end; ++q) {
-        const float* S = S0 + (q - p) * a.K * 16;
-        int64_t m = m0;
-        for (; m + SCRATCH_ROWS <= m1; m += SCRATCH_ROWS) rows<SCRATCH_ROWS>(a, m, q, S);
-        switch (m1 - m) {
-          case 1: rows<1>(a, m, q, S); break;
-          case 2: rows<2>(a, m, q, S); break;
-          case 3: rows<3>(a, m, q, S); break;
-          case 4: rows<4>(a, m, q, S); break;
-          case 5: rows<5>(a, m, q, S); break;
-          case 6: rows<6>(a, m, q, S); break;
-          case 7: rows<7>(a, m, q, S); break;
-          default: break;
-        }
-      }
-      p = end;
-    }
-  }
-}
-
-void dequant_panel(int t, const Ref& r, int64_t K, float* S) {
-  switch (t) {
-    case T_Q8_0: widen_run<T_Q8_0>(r, 1, K, S); break;
-    case T_Q4_0: widen_run<T_Q4_0>(r, 1, K, S); break;
-    case T_Q4_1: widen_run<T_Q4_1>(r, 1, K, S); break;
-    case T_Q5_0: widen_run<T_Q5_0>(r, 1, K, S); break;
-    case T_Q5_1: widen_run<T_Q5_1>(r, 1, K, S); break;
-    case T_Q4_K: widen_run<T_Q4_K>(r, 1, K, S); break;
-    case T_Q5_K: widen_run<T_Q5_K>(r, 1, K, S); break;
-    case T_Q6_K: widen_run<T_Q6_K>(r, 1, K, S); break;
-  }
-}
+#include "qgemm_exact.inc.cpp"
 
 }  // namespace z512
 }  // namespace
@@ -1021,152 +914,45 @@ inline void put(const Args& a, int64_t m, int64_t n, V lo, V hi, int64_t cols) {
   for (int64_t c = 0; c < cols; ++c) put1(a, m, n + c, v[c]);
 }
 
+// 16 columns for qgemm_exact.inc.cpp: two ymm (columns 0-7, 8-15).
+using W = V2;
+using G = I2;
+inline W wzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline W wset1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+inline W wfma(W a, W b, W c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline W wload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void wstore(float* p, W w) {
+  _mm256_storeu_ps(p, w.lo);
+  _mm256_storeu_ps(p + 8, w.hi);
+}
+template <int T, int t>
+inline W wquant(G z) {
+  return {quant<T, t>(z.lo), quant<T, t>(z.hi)};
+}
+inline void put16(const Args& a, int64_t m, int64_t n, W v, int64_t cols) {
+  put(a, m, n, v.lo, v.hi, cols);
+}
+
 template <int T, int MR, int NP>
-void direct(const Args& a, int64_t m, int64_t p) {
-  using F = Tr<T>;
-  constexpr int BYTES = 16 * F::NATIVE;
-  V acc[MR][NP][2];
-  for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < NP; ++q) acc[r][q][0] = acc[r][q][1] = _mm256_setzero_ps();
-  const float* x = a.x + m * a.ldx;
-  const Ref pr = ref_of(a, p, BYTES);
-  const int64_t nb = a.K / F::BK;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < F::BK / F::SUB; ++j) {
-      V2 sc[NP], off[NP];
-      for (int q = 0; q < NP; ++q) scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
-      for (int g = 0; g < F::SUB / 4; ++g) {
-        const int gi = j * (F::SUB / 4) + g;
-        const int64_t k = b * F::BK + 4 * gi;
-        I2 z[NP];
-        for (int q = 0; q < NP; ++q) {
-          const uint8_t* gp = group_at(pr, b, F::GOFF, F::GB, gi, q);
-          z[q] = group<T>(gp);
-        }
-        auto step = [&](auto tc) {
-          constexpr int t = decltype(tc)::value;
-          V xb[MR];
-          for (int r = 0; r < MR; ++r) xb[r] = _mm256_set1_ps(x[r * a.ldx + k + t]);
-          for (int q = 0; q < NP; ++q) {
-            const V w0 = _mm256_fmadd_ps(sc[q].lo, quant<T, t>(z[q].lo), off[q].lo);
-            const V w1 = _mm256_fmadd_ps(sc[q].hi, quant<T, t>(z[q].hi), off[q].hi);
-            for (int r = 0; r < MR; ++r) {
-              acc[r][q][0] = _mm256_fmadd_ps(xb[r], w0, acc[r][q][0]);
-              acc[r][q][1] = _mm256_fmadd_ps(xb[r], w1, acc[r][q][1]);
-            }
-          }
-        };
-        step(std::integral_constant<int, 0>());
-        step(std::integral_constant<int, 1>());
-        step(std::integral_constant<int, 2>());
-        step(std::integral_constant<int, 3>());
-      }
-    }
-  }
-  for (int q = 0; q < NP; ++q)
-    for (int r = 0; r < MR; ++r)
-      put(a, m + r, 16 * (p + q), acc[r][q][0], acc[r][q][1], a.N - 16 * (p + q));
-}
+void direct_range(const Args& a, int64_t p0, int64_t p1);
 
+// The direct path's passes for 1 to 4 rows (16 ymm: four panels a pass for 1 or 2 rows).
 template <int T>
-void widen_run(const Ref& r, int64_t n, int64_t K, float* S) {
-  using F = Tr<T>;
-  const int64_t nb = K / F::BK;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < F::BK / F::SUB; ++j) {
-      V2 scs[GROUP], offs[GROUP];
-      for (int64_t i = 0; i < n; ++i) scales<T>(head_at(r, b, F::GOFF, i), j, scs[i], offs[i]);
-      for (int g = 0; g < F::SUB / 4; ++g) {
-       const int gi = j * (F::SUB / 4) + g;
-       for (int64_t i = 0; i < n; ++i) {
-        const V2 sc = scs[i], off = offs[i];
-        const I2 z = group<T>(group_at(r, b, F::GOFF, F::GB, gi, i));
-        float* s = S + i * K * 16 + 16 * (b * F::BK + 4 * gi);
-        auto step = [&](auto tc) {
-          constexpr int t = decltype(tc)::value;
-          _mm256_storeu_ps(s + 16 * t, _mm256_fmadd_ps(sc.lo, quant<T, t>(z.lo), off.lo));
-          _mm256_storeu_ps(s + 16 * t + 8, _mm256_fmadd_ps(sc.hi, quant<T, t>(z.hi), off.hi));
-        };
-        step(std::integral_constant<int, 0>());
-        step(std::integral_constant<int, 1>());
-        step(std::integral_constant<int, 2>());
-        step(std::integral_constant<int, 3>());
-       }
-      }
-    }
+bool direct_panels(const Args& a, int64_t p0, int64_t p1) {
+  switch (a.M) {
+    case 1: direct_range<T, 1, 4>(a, p0, p1); return true;
+    case 2: direct_range<T, 2, 4>(a, p0, p1); return true;
+    case 3: direct_range<T, 3, 2>(a, p0, p1); return true;
+    case 4: direct_range<T, 4, 2>(a, p0, p1); return true;
+    default: return false;
   }
-}
-
-template <int MR>
-void rows(const Args& a, int64_t m, int64_t p, const float* S) {
-  V acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* x = a.x + m * a.ldx;
-  for (int64_t k = 0; k < a.K; ++k) {
-    const V w0 = _mm256_loadu_ps(S + 16 * k), w1 = _mm256_loadu_ps(S + 16 * k + 8);
-    for (int r = 0; r < MR; ++r) {
-      const V xb = _mm256_set1_ps(x[r * a.ldx + k]);
-      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) put(a, m + r, 16 * p, acc[r][0], acc[r][1], a.N - 16 * p);
 }
 
 constexpr int SCRATCH_ROWS = 4;  // 8 accumulators of the 16 registers
 
-template <int T, int MR, int NP>
-void direct_range(const Args& a, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1;) {
-    const int64_t end = group_end(p, p1);
-    for (; p + NP <= end; p += NP) direct<T, MR, NP>(a, 0, p);
-    for (; p < end; ++p) direct<T, MR, 1>(a, 0, p);
-  }
-}
-
-template <int T>
-void panels(const Args& a, int64_t p0, int64_t p1) {
-  switch (a.M) {
-    case 1: return direct_range<T, 1, 4>(a, p0, p1);
-    case 2: return direct_range<T, 2, 4>(a, p0, p1);
-    case 3: return direct_range<T, 3, 2>(a, p0, p1);
-    case 4: return direct_range<T, 4, 2>(a, p0, p1);
-    default: break;
-  }
-  float* S0 = scratch(GROUP * a.K * 16);
-  for (int64_t m0 = 0; m0 < a.M; m0 += ROW_CHUNK) {
-    const int64_t m1 = a.M - m0 < ROW_CHUNK ? a.M : m0 + ROW_CHUNK;
-    for (int64_t p = p0; p < p1;) {  // a group's panels (or those of this range) at once
-      const int64_t end = group_end(p, p1);
-      widen_run<T>(ref_of(a, p, 16 * Tr<T>::NATIVE), end - p, a.K, S0);
-      for (int64_t q = p; q < end; ++q) {
-        const float* S = S0 + (q - p) * a.K * 16;
-        int64_t m = m0;
-        for (; m + SCRATCH_ROWS <= m1; m += SCRATCH_ROWS) rows<SCRATCH_ROWS>(a, m, q, S);
-        switch (m1 - m) {
-          case 1: rows<1>(a, m, q, S); break;
-          case 2: rows<2>(a, m, q, S); break;
-          case 3: rows<3>(a, m, q, S); break;
-          default: break;
-        }
-      }
-      p = end;
-    }
-  }
-}
-
-void dequant_panel(int t, const Ref& r, int64_t K, float* S) {
-  switch (t) {
-    case T_Q8_0: widen_run<T_Q8_0>(r, 1, K, S); break;
-    case T_Q4_0: widen_run<T_Q4_0>(r, 1, K, S); break;
-    case T_Q4_1: widen_run<T_Q4_1>(r, 1, K, S); break;
-    case T_Q5_0: widen_run<T_Q5_0>(r, 1, K, S); break;
-    case T_Q5_1: widen_run<T_Q5_1>(r, 1, K, S); break;
-    case T_Q4_K: widen_run<T_Q4_K>(r, 1, K, S); break;
-    case T_Q5_K: widen_run<T_Q5_K>(r, 1, K, S); break;
-    case T_Q6_K: widen_run<T_Q6_K>(r, 1, K, S); break;
-  }
-}
+#include "qgemm_exact.inc.cpp"
 
 }  // namespace z256
 }  // namespace
