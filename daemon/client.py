@@ -1,7 +1,8 @@
 """Clients of the socket API: a blocking :class:`Client` and an asyncio :class:`AsyncClient`.
 
 Owns: connecting, request ids, matching responses and ``delta`` events to
-their requests, turning ``error`` frames into :class:`DaemonError`.
+their requests, turning ``error`` frames into :class:`DaemonError`, and stopping a
+daemon (:func:`stop_daemon`: ``shutdown``, then waiting until its process is gone).
 Must not touch: the daemon's state; the wire format lives in :mod:`.protocol`.
 
 >>> with Client() as c:  # doctest: +SKIP
@@ -14,14 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 from codespec.daemon.config import default_socket_path
 from codespec.daemon.service.protocol import HEADER, MAX_FRAME_BYTES, pack, unpack_body
 
-__all__ = ["AsyncClient", "Client", "DaemonError", "Pending", "default_socket_path"]
+__all__ = ["AsyncClient", "Client", "DaemonError", "Pending", "default_socket_path", "stop_daemon"]
 
 DeltaCallback = Callable[[dict], None]
 
@@ -220,3 +223,38 @@ class AsyncClient:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._task
         self._lost()
+
+
+def stop_daemon(socket_path: str | None = None, timeout: float = 30.0) -> int | None:
+    """Ask the daemon on ``socket_path`` to shut down and wait until its socket file and
+    its process are gone: its pid, or None when no daemon answers there. A daemon that
+    refuses or outlives ``timeout`` seconds is a :class:`DaemonError`."""
+    path = socket_path or default_socket_path()
+    try:
+        client = Client(path)
+    except DaemonError:
+        return None
+    with client:
+        pid = client.request("stats").get("pid")
+        if not isinstance(pid, int):
+            raise DaemonError("internal", f"the daemon on {path} did not say its pid")
+        client.request("shutdown")
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path) or not _exited(pid):
+        if time.monotonic() > deadline:
+            raise DaemonError("unavailable", f"pid {pid} is still running after {timeout} s")
+        time.sleep(0.05)
+    return pid
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # PermissionError: another user's pid now
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False

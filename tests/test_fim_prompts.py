@@ -109,8 +109,8 @@ def test_the_repo_paths_of_uris():
 def test_an_edit_goes_through_the_chat_template_with_the_old_text_as_draft(qwen_tiny):
     """``auto`` picks ``chat`` for a code model with FIM tokens and a chat template: one
     user turn holding the instruction and the old region, which is also the draft the
-    proposers copy; the reply's fence is unwrapped and it ends with the old region's
-    line break."""
+    proposers copy; the reply begins inside a fence whose closing ends it, and it ends
+    with the old region's line break."""
     start = TEXT.index("def total")
     old = TEXT[start:]
     ep = completion.edit_prompt(qwen_tiny, TEXT, start, len(TEXT), old, "rename result",
@@ -118,9 +118,10 @@ def test_an_edit_goes_through_the_chat_template_with_the_old_text_as_draft(qwen_
     assert ep.mode == "chat" and ep.draft_ids == qwen_tiny.encode(old)
     rendered = qwen_tiny.tokenizer.decode(ep.prompt_ids)
     assert rendered.startswith("<|im_start|>system\n")
-    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
-    assert f"<region>\n{old}</region>" in rendered and "rename result" in rendered
+    user = f"<|im_start|>user\nrename result\n\n```python\n{old}```<|im_end|>\n"
+    assert rendered.endswith(f"{user}<|im_start|>assistant\n```python\n")
+    assert ep.prompt_ids == ids_of(qwen_tiny, rendered)
     prep = completion.prepare_edit(qwen_tiny, ep, old)
-    reply = "```python\ndef total(values):\n    return sum(values)\n```\nThis sums them."
+    reply = "def total(values):\n    return sum(values)\n```\nThis sums them."
     piece, hit = prep.tracker.feed(qwen_tiny.encode(reply), final=True)
     assert hit and piece == prep.tracker.text == "def total(values):\n    return sum(values)\n"

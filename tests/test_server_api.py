@@ -175,7 +175,7 @@ def test_stats_report_what_the_policy_measured(client):
     pol = client.request("stats")["policy"]
     assert pol["forward_ms"]["1"] > 0  # the cost table, calibrated and updated per forward
     greedy = pol["classes"]["greedy"]
-    assert greedy["plain_step_ms"] is None or greedy["plain_step_ms"] > 0
+    assert greedy["plain_step_ms"] > 0  # the 24 steps above measured it
     assert set(greedy["vs_plain"]) <= {"ngram", "lookahead"}  # what auto has on this model
     assert isinstance(pol["retired"], list) and pol["steps"] > 0
     assert pol["weights"] == {

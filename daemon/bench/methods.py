@@ -129,8 +129,10 @@ class HFPeer:
             self.model = engine.runner.model
         else:
             dtype = torch.bfloat16 if engine.device.type == "cuda" else torch.float32
+            from codespec.daemon.engine.models import hf_checkpoint
+
             self.model = AutoModelForCausalLM.from_pretrained(
-                engine.model_path, local_files_only=True, dtype=dtype
+                hf_checkpoint(engine.model_path), local_files_only=True, dtype=dtype
             ).to(engine.device)
         self.model.eval()
         self.engine = engine

@@ -48,9 +48,9 @@ add. A verification of T tokens cannot take fewer decode steps than its compute 
 in decode steps; on a machine whose dot products are slow against its memory, no kernel
 reaches a target below that.
 
-The model: ``--model`` (an HF folder, a cached name or a ``.gguf``), else the default
-(SmolLM2-135M-Instruct, fetched once). Prints a table and ends with one JSON line. It
-builds runners through their public constructors only.
+The model: ``--model`` (a model name, an HF folder, a cached name or a ``.gguf``), else
+the default (``$CODESPEC_MODEL``, else qwen2.5-coder-0.5b, fetched once). Prints a table
+and ends with one JSON line. It builds runners through their public constructors only.
 """
 
 from __future__ import annotations
@@ -141,12 +141,16 @@ def build(name: str, folder: Path, max_length: int) -> LeanRunner:
         attention = "fp32" if name.endswith("fp32att") else None
         return LeanRunner.from_gguf(path, config, max_length, int8=int8, attention=attention)
     if name == "fp16":
-        runner = LeanRunner.from_pretrained(folder, max_length=max_length, kernels=True)
+        runner = LeanRunner.from_pretrained(
+            models.hf_checkpoint(folder), max_length=max_length, kernels=True
+        )
         runner.half_panels()
         return runner
     if name.startswith("torch-int") and not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         raise LookupError("this torch has no weight-only CPU kernels")
-    runner = LeanRunner.from_pretrained(folder, max_length=max_length, kernels=False)
+    runner = LeanRunner.from_pretrained(
+        models.hf_checkpoint(folder), max_length=max_length, kernels=False
+    )
     return _weight_only(runner, 8 if name == "torch-int8" else 4)
 
 
@@ -285,7 +289,8 @@ def _print(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="codespec bench runner", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None,
+                    help="model (default: $CODESPEC_MODEL, else qwen2.5-coder-0.5b)")  # fmt: skip
     ap.add_argument("--runners", default=",".join(RUNNERS), help="runners to time")
     ap.add_argument("--contexts", default="256,1300,4000", help="cached tokens, comma-separated")
     ap.add_argument("--tokens", default="1,8,16", help="tokens per forward (1 = decode)")

@@ -1,9 +1,11 @@
 """Reading a GGUF file and converting it into a Hugging Face checkpoint folder.
 
 Owns: which GGUF files codespec imports (:data:`ARCHITECTURES`, :data:`TENSOR_TYPES`),
-the header check (:func:`check_gguf`) and the conversion (:func:`write_checkpoint`:
-transformers reads the config, tokenizer and tensor names from the file, the ``gguf``
-library dequantizes the blocks, safetensors writes them). Errors are :class:`UnsupportedGGUF`
+the header check (:func:`check_gguf`) and the conversion: :func:`write_config` (the
+config and tokenizer transformers reads from the file's metadata, all a model folder
+needs to run from the GGUF's blocks) and :func:`write_weights` (the tensors, named as
+transformers names them, dequantized by the ``gguf`` library, written by safetensors),
+both at once :func:`write_checkpoint`. Errors are :class:`UnsupportedGGUF`
 with a one-line message for the user.
 
 Must not touch: the model cache (where folders live, manifests, locking: that is
@@ -84,19 +86,52 @@ def source_types(gguf: Path, config: Any, keys: Iterable[str]) -> dict[str, str]
 
 
 def write_checkpoint(gguf: Path, out: Path) -> None:
-    """The GGUF as a Hugging Face folder: transformers reads the config and builds the
-    tokenizer from the GGUF's metadata and maps its tensor names; the ``gguf`` library
-    dequantizes the blocks. Tensors stored as F32 or BF16 keep their type; quantized
-    and F16 matrices are saved as fp16 when it holds them (the 16-bit type closest to
-    the dequantized values, half fp32's size), else fp32."""
+    """The GGUF as a whole Hugging Face folder: :func:`write_config` and
+    :func:`write_weights`."""
+    write_config(gguf, out)
+    write_weights(gguf, out)
+
+
+def _config(gguf: Path) -> Any:
+    """transformers' config for the GGUF, read from its metadata."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+    )
+    config._name_or_path = ""
+    return config
+
+
+def write_config(gguf: Path, out: Path) -> None:
+    """``config.json`` and the tokenizer files of the GGUF into ``out``: transformers reads
+    the config and builds the tokenizer from the GGUF's metadata. What the lean runner (which
+    reads the blocks from the GGUF itself) and the tokenizer need; no weights."""
+    from transformers import AutoTokenizer
+
+    _config(gguf).save_pretrained(str(out))
+    tok = AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+    )
+    try:
+        tok.save_pretrained(str(out))
+    except OSError:
+        raise
+    except Exception as exc:  # tokenizers reports a failed write as its own error type
+        raise OSError(one_line(exc)) from exc
+
+
+def write_weights(gguf: Path, out: Path) -> None:
+    """``model.safetensors`` of the GGUF into ``out``: transformers maps its tensor names,
+    the ``gguf`` library dequantizes the blocks. Tensors stored as F32 or BF16 keep their
+    type; quantized and F16 matrices are saved as fp16 when it holds them (the 16-bit type
+    closest to the dequantized values, half fp32's size), else fp32."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    folder, file = str(gguf.parent), gguf.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
-    config._name_or_path = ""
+    config = _config(gguf)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
@@ -123,6 +158,3 @@ def write_checkpoint(gguf: Path, out: Path) -> None:
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     except Exception as exc:  # safetensors reports a failed write as its own error type
         raise OSError(one_line(exc)) from exc
-    config.save_pretrained(str(out))
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
-    tok.save_pretrained(str(out))

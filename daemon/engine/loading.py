@@ -41,7 +41,11 @@ def load_runner(
     path: str, device: torch.device, runner: str = "auto", max_length: int | None = None
 ) -> tuple[Runner, object]:
     """Return (runner, HF config). ``runner`` is auto | lean | hf. On the CPU a folder the
-    model cache made from a GGUF runs from the GGUF's own blocks (``lean.from_model_folder``)."""
+    model cache made from a GGUF runs from the GGUF's own blocks (``lean.from_model_folder``);
+    everything else loads the checkpoint :func:`.models.hf_checkpoint` gives (made from
+    the GGUF once, when the folder holds none)."""
+    if runner not in ("auto", "lean", "hf"):
+        raise ModelLoadError(f"unknown runner {runner!r} (auto, lean or hf)")
     if runner in ("auto", "lean") and device.type == "cpu":
         try:
             got = lean.from_model_folder(path, max_length)
@@ -49,6 +53,10 @@ def load_runner(
             raise ModelLoadError(f"cannot load {path}: {one_line(exc)}") from exc
         if got is not None:
             return got
+    try:
+        path = str(models.hf_checkpoint(path))
+    except models.ModelError as exc:
+        raise ModelLoadError(str(exc)) from None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -56,8 +64,6 @@ def load_runner(
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(f"cannot read the model config in {path}: {one_line(exc)}") from exc
-    if runner not in ("auto", "lean", "hf"):
-        raise ModelLoadError(f"unknown runner {runner!r} (auto, lean or hf)")
     if runner in ("auto", "lean"):
         if lean.supports(config):
             try:

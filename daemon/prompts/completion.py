@@ -31,7 +31,6 @@ from codespec.daemon.prompts.edit import (  # noqa: F401 (the edit side, importa
 )
 from codespec.daemon.prompts.parts import (
     CHARS_PER_TOKEN_CAP,
-    COLD_BLOCK,
     SUFFIX_TOKENS,
     Prepared,
     head_text,
@@ -71,10 +70,6 @@ class CompletionPrompt:
     snippets: list[crossfile.Snippet] = field(default_factory=list)
     rest: str = ""
     max_indent: int | None = None
-    # The same prompt with at most ``cold_tokens`` of the prefix (its start on a
-    # COLD_BLOCK grid), or None (no shorter one): what a completion at a spot with
-    # nothing cached uses, so that its prefill stays short (scheduler.Job.cold_ids)
-    cold_ids: list[int] | None = None
 
 
 def file_label(uri: str) -> str:
@@ -99,7 +94,6 @@ def complete_prompt(
     uri: str = "",
     snippets: list[crossfile.Snippet] | None = None,
     heal: bool = True,
-    cold_tokens: int = 0,
     top_uri: str = "",
 ) -> CompletionPrompt:
     """The prompt for a completion at ``offset`` of ``text``; a blank ``text`` gives an
@@ -113,8 +107,7 @@ def complete_prompt(
     off for healing (``heal``). The prompt holds at most ``context_tokens`` tokens
     (default: the model's whole context), leaving room for ``max_tokens``; snippets get
     at most a third of it. The suffix the model cannot see still ends the completion
-    (``stop_lines``). ``cold_tokens`` > 0: also the prompt with at most that many prefix
-    tokens (``cold_ids``), when it is shorter. ``top_uri``: the file, for a model without
+    (``stop_lines``). ``top_uri``: the file, for a model without
     FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before the cursor):
     it gets the ``<file_sep>path`` header (without it SmolLM2 answers ``import `` with
     prose).
@@ -134,37 +127,38 @@ def complete_prompt(
     rules = {"rest": after.split("\n", 1)[0].rstrip("\r"),
              "max_indent": indent_cap(text, line_start, offset)}  # fmt: skip
     if engine.fim is not None:
-        ids, cold, used = _fim_complete(
-            engine, prefix_ids, after, budget, uri, snippets or [], cold_tokens
-        )
-        return CompletionPrompt(ids, "", stops, first_counts, used, cold_ids=cold, **rules)
-    head: list[int] = []
-    used: list[crossfile.Snippet] = []
+        ids, used = _fim_complete(engine, prefix_ids, after, budget, uri, snippets or [])
+        return CompletionPrompt(ids, "", stops, first_counts, used, **rules)
     if not uri and top_uri and len(prefix_ids) < TOP_TOKENS:
         uri = top_uri
-    if _repo_layout(engine) and (uri or snippets):
-        for snip in snippets or []:
-            piece = engine.encode(f"{file_label(snip.uri)}\n{snip.text.rstrip()}\n")
-            if len(head) + len(piece) + 1 > budget // 3:
-                break
-            head += [engine.tokenizer.convert_tokens_to_ids(FILE_SEP), *piece]
-            used.append(snip)
-        head += [engine.tokenizer.convert_tokens_to_ids(FILE_SEP)]
-        head += engine.encode(f"{file_label(uri)}\n")
+    head, used = _file_sep_head(engine, uri, snippets or [], budget)
     if not prefix_ids and not head:
         return CompletionPrompt([])  # nothing before the cursor to complete from
     pre = window_prefix(prefix_ids, budget - len(head))
-    ids = head + pre
-    cold = None
-    if 0 < cold_tokens < len(pre):
-        cold = head + window_prefix(pre, cold_tokens, COLD_BLOCK)
-    healed = ""
+    ids, healed = head + pre, ""
     if heal and prefix_ids:
         ids, healed = heal_prompt(engine, ids)
-        if cold is not None:
-            cold, cold_healed = heal_prompt(engine, cold)
-            cold = cold if cold_healed == healed else None  # the same text to skip, else none
-    return CompletionPrompt(ids, healed, stops, first_counts, used, cold_ids=cold, **rules)
+    return CompletionPrompt(ids, healed, stops, first_counts, used, **rules)
+
+
+def _file_sep_head(
+    engine: Any, uri: str, snippets: list[crossfile.Snippet], budget: int
+) -> tuple[list[int], list[crossfile.Snippet]]:
+    """A left-to-right prompt's head where the tokenizer has ``<file_sep>`` and there is a
+    file or snippets: each snippet (a third of ``budget`` at most) and then the current
+    file under a ``<file_sep>path`` line; and the snippets used."""
+    head: list[int] = []
+    used: list[crossfile.Snippet] = []
+    if not _repo_layout(engine) or not (uri or snippets):
+        return head, used
+    sep = engine.tokenizer.convert_tokens_to_ids(FILE_SEP)
+    for snip in snippets:
+        piece = engine.encode(f"{file_label(snip.uri)}\n{snip.text.rstrip()}\n")
+        if len(head) + len(piece) + 1 > budget // 3:
+            break
+        head += [sep, *piece]
+        used.append(snip)
+    return [*head, sep, *engine.encode(f"{file_label(uri)}\n")], used
 
 
 def _fim_complete(
@@ -174,12 +168,11 @@ def _fim_complete(
     budget: int,
     uri: str,
     snippets: list[crossfile.Snippet],
-    cold_tokens: int,
-) -> tuple[list[int], list[int] | None, list[crossfile.Snippet]]:
-    """A FIM model's completion prompt (:func:`complete_prompt`): ``(ids, the cold
-    window's ids or None, the snippets used)``. With ``uri`` or ``snippets`` and a
-    tokenizer that has the repository-level layout, the snippets (at most a third of the
-    budget) and the current file's path come first (:func:`fim.repo_head`)."""
+) -> tuple[list[int], list[crossfile.Snippet]]:
+    """A FIM model's completion prompt (:func:`complete_prompt`): ``(ids, the snippets
+    used)``. With ``uri`` or ``snippets`` and a tokenizer that has the repository-level
+    layout, the snippets (at most a third of the budget) and the current file's path come
+    first (:func:`fim.repo_head`)."""
     head: list[int] = []
     used: list[crossfile.Snippet] = []
     if engine.fim.file_sep is not None and (uri or snippets):
@@ -193,11 +186,7 @@ def _fim_complete(
     suf_room = min(len(suffix_ids), SUFFIX_TOKENS, (room - 3) // 4)
     pre = window_prefix(prefix_ids, room - 3 - suf_room)
     ids = head + fim.fim_prompt(engine.fim, pre, suffix_ids[:suf_room], room)
-    cold = None
-    if 0 < cold_tokens < len(pre):
-        short = window_prefix(pre, cold_tokens, COLD_BLOCK)
-        cold = head + fim.fim_prompt(engine.fim, short, suffix_ids[:suf_room], room)
-    return ids, cold, used
+    return ids, used
 
 
 def _uri_path(uri: str) -> str:
@@ -235,13 +224,12 @@ def prepare_complete(
     context_tokens: int,
     context: str = "none",
     stop: list[str] | None = None,
-    cold_tokens: int = 0,
 ) -> Prepared:
     """A completion at ``offset`` of the open document ``doc``: the prompt, the healing
     constraint, the stop rules (single-line completions stop at a line break).
     ``context``: ``none`` (the prefix alone), ``header`` (under a ``<file_sep>path``
     line) or ``crossfile`` (after snippets of the other recent ``documents``).
-    ``cold_tokens``: see :func:`complete_prompt` (``Prepared.cold_ids``)."""
+    """
     if context not in CONTEXTS:
         raise ValueError(f"context must be one of {', '.join(CONTEXTS)}")
     picked: list[crossfile.Snippet] = []
@@ -257,7 +245,6 @@ def prepare_complete(
         context_tokens,
         uri=doc.uri if context != "none" else "",
         snippets=picked,
-        cold_tokens=cold_tokens,
         top_uri=doc.uri,
     )
     stops = list(stop or []) if multiline else ["\n", "\r", *(stop or [])]
@@ -273,9 +260,7 @@ def prepare_complete(
         max_indent=cp.max_indent,
         fences=not _markdown(doc),
     )
-    return Prepared(
-        cp.prompt_ids, healing.constraint(engine, cp.heal), tracker, cold_ids=cp.cold_ids
-    )
+    return Prepared(cp.prompt_ids, healing.constraint(engine, cp.heal), tracker)
 
 
 def _markdown(doc: Any) -> bool:

@@ -47,8 +47,8 @@ COMMENT = {
 }
 
 EDIT_SYSTEM = (
-    "You rewrite one region of a source file. Reply with the new code of the region "
-    "only, no explanations and no code fences."
+    "You edit source code. Follow the instruction and reply with the rewritten code "
+    "only, in one code block, with no explanation."
 )
 
 
@@ -125,10 +125,9 @@ def edit_prompt(
     context_tokens: int | None = None,
 ) -> EditPrompt:
     """The prompt that regenerates ``text[start:end]``; ``draft`` is the old region or
-    the caller's prediction. In every mode the model reads the draft right before it
-    writes the region, so copying it is one n-gram lookup away. The prompt carries at
-    most ``context_tokens`` tokens of surrounding code besides the draft (default: as
-    much as the model's context holds).
+    the caller's prediction, read by the model right before it writes the region (a
+    copy is one n-gram lookup away). At most ``context_tokens`` tokens of surrounding
+    code besides the draft (default: as much as the model's context holds).
 
     - ``fim`` (``auto`` for models with FIM tokens and no chat template): prefix = text
       before the region + the draft + a line break (+ the instruction as a comment),
@@ -140,8 +139,8 @@ def edit_prompt(
       model (SmolLM2-135M) copies the draft this way and answers with prose through
       its chat template (measured: README, "Edits").
     - ``chat`` (``auto`` for models with FIM tokens and a chat template: instruct code
-      models): the instruction, the surrounding code and the draft in one user turn of
-      the model's chat template; a reply wrapped in a code fence is unwrapped.
+      models): the instruction and the draft in one user turn of the model's chat
+      template, the reply begun inside a code fence whose closing ends it.
     """
     if mode not in EDIT_MODES:
         raise ProtocolError(BAD_PARAMS, f"mode must be one of {', '.join(EDIT_MODES)}")
@@ -153,11 +152,10 @@ def edit_prompt(
         budget = min(budget, context_tokens + 2 * len(draft_ids) + 64)
     if len(draft_ids) + 16 > budget:
         raise ProtocolError(BAD_PARAMS, "the region is too long for the model's context")
-    chars = budget * CHARS_PER_TOKEN_CAP
-    before = head_text(text, start, chars)
-    after = text[end : end + chars]
     if mode == "chat":
-        return _chat_edit(engine, before, after, draft, draft_ids, instruction, budget)
+        return _chat_edit(engine, draft, draft_ids, instruction, budget, language)
+    chars = budget * CHARS_PER_TOKEN_CAP
+    before, after = head_text(text, start, chars), text[end : end + chars]
     if mode == "fim" and engine.fim is None:
         raise ProtocolError(BAD_PARAMS, "the model has no FIM tokens")
     copy = draft if draft.endswith("\n") or not draft else draft + "\n"
@@ -191,30 +189,26 @@ def _fim_edit(
 
 def _chat_edit(
     engine: Any,
-    before: str,
-    after: str,
     draft: str,
     draft_ids: list[int],
     instruction: str,
     budget: int,
+    language: str = "",
 ) -> EditPrompt:
-    """The ``chat`` edit prompt: one user turn (see :func:`edit_prompt`)."""
+    """The ``chat`` edit prompt: one user turn with the instruction and the region (the
+    draft), fenced; the reply is begun with the region's fence, so its closing fence ends
+    it. The code around the region stays out: given it, Qwen2.5-Coder-0.5B-Instruct
+    rewrote that code instead of the region."""
     if not has_chat_template(engine):
         raise ProtocolError(BAD_PARAMS, "the model has no chat template")
-    room = (budget - len(draft_ids) - 128) // 2
-    before_ids = window_prefix(engine.encode(before), max(0, room))
-    after_ids = engine.encode(after)[: max(0, room)]
-    user = (
-        f"Instruction: {instruction or 'Rewrite the region, fixing any mistakes.'}\n\n"
-        f"Code before the region:\n{engine.decode(before_ids)}\n"
-        f"<region>\n{draft}</region>\n\n"
-        f"Code after the region:\n{engine.decode(after_ids)}"
-    )
+    fence = f"```{language}\n"
+    code = draft if draft.endswith("\n") or not draft else draft + "\n"
+    user = f"{instruction or 'Rewrite this code, fixing any mistakes.'}\n\n{fence}{code}```"
     messages = [{"role": "system", "content": EDIT_SYSTEM}, {"role": "user", "content": user}]
     rendered = engine.tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
-    ids = engine.encode(rendered)
+    ids = engine.encode(rendered + fence)
     if len(ids) > budget:
         raise ProtocolError(BAD_PARAMS, "the region is too long for the model's context")
     return EditPrompt(ids, "chat", draft_ids)

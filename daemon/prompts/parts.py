@@ -13,7 +13,6 @@ from typing import Any
 from codespec.daemon.text.tracker import TextTracker
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
-COLD_BLOCK = 64  # the same for a cold spot's short window (see CompletionPrompt.cold_ids)
 SUFFIX_TOKENS = 128  # the most suffix tokens a prompt carries (all re-fed per keystroke)
 CHARS_PER_TOKEN_CAP = 12  # text read around the cursor: budget * this many characters
 
@@ -43,14 +42,15 @@ def head_text(text: str, end: int, chars: int) -> str:
 @dataclass
 class Prepared:
     """A request ready for the scheduler: the prompt, the healing constraint for the
-    engine, the tracker that reads the output back as text, the draft text's ids."""
+    engine, the tracker that reads the output back as text, the draft text's ids. An
+    empty ``prompt_ids``: nothing to complete (a blank document); the caller answers
+    with an empty completion instead of running the model."""
 
     prompt_ids: list[int]
     constraint: Any
     tracker: TextTracker
     draft_ids: list[int] | None = None
     mode: str = ""
-    cold_ids: list[int] | None = None  # a shorter prompt for a cold spot (completions)
 
 
 def next_lines(after: str) -> tuple[str, ...]:

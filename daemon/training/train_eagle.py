@@ -334,7 +334,9 @@ def heldout_report(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="codespec train-eagle", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="target model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="target model (default: $CODESPEC_MODEL, else qwen2.5-coder-0.5b; "
+                   "the shipped head is smollm2-135m's)")  # fmt: skip
     p.add_argument("--data", default=None, help="a folder of .py files (default: stdlib sources)")
     defaults = EagleTrainConfig()
     for name, value in asdict(defaults).items():

@@ -118,8 +118,10 @@ class Target:
         self.device = pick_device(device)
         if self.device.type == "cuda":  # the head learns from states within TF32's rounding
             torch.backends.cuda.matmul.allow_tf32 = True
+        from codespec.daemon.engine.models import hf_checkpoint
+
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, local_files_only=True, dtype=torch.float32
+            hf_checkpoint(model_path), local_files_only=True, dtype=torch.float32
         ).eval()
         self.model.to(self.device)
         for p in self.model.parameters():

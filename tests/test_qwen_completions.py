@@ -1,0 +1,87 @@
+"""Issue 47's completion cases and an edit on the real Qwen2.5-Coder-0.5B-Instruct, the
+product's default model, through a daemon (skipped where the model is not on the machine):
+FIM prompts, the suffix stop, the indentation cap, fences, the default token cap, an
+empty file, and an edit through the chat template."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+from qwen_local import qwen_dir
+
+from codespec.daemon.client import Client
+from conftest import ServerThread, daemon_config
+
+
+@pytest.fixture(scope="module")
+def client(request, tmp_path_factory):
+    from codespec.daemon.engine.engine import Engine
+
+    engine = Engine(qwen_dir(request))
+    srv = ServerThread(daemon_config(tmp_path_factory.mktemp("qwen")), engine)
+    try:
+        with Client(srv.socket_path) as c:
+            yield c
+    finally:
+        srv.stop()
+
+
+def _open(client, text: str) -> str:
+    uri = f"file:///newcomer/{abs(hash(text))}/s3.py"
+    client.request("open", {"uri": uri, "text": text, "language": "python"})
+    return uri
+
+
+def _complete(client, text: str, line: int, character: int, **params) -> dict:
+    uri = _open(client, text)
+    try:
+        pos = {"line": line, "character": character}
+        return client.request("complete", {"uri": uri, "position": pos, **params})
+    finally:
+        client.request("close", {"uri": uri})
+
+
+def test_issue_47_cases_on_qwen(client):
+    """A fresh indented line gets no second indentation; ``import `` completes to an
+    import; ``import|json`` writes nothing the rest of the line already has; an empty file
+    gives nothing; no completion carries a Markdown fence (Qwen closed a fence after
+    ``print(f())`` and explained the code)."""
+    got = _complete(client, "def add(a, b):\n    \n", 1, 4)["text"]
+    assert got.strip() and not got[0].isspace(), got
+    got = _complete(client, "import \n", 0, 7)["text"]
+    ast.parse("import " + got)
+    got = _complete(client, "import json\n", 0, 6)["text"]
+    assert "json" not in got and len(got.split()) <= 2, got
+    assert _complete(client, "", 0, 0)["text"] == ""
+    text = "def f():\n    return 1\n"
+    multi = _complete(client, text, 2, 0, multiline=True)["text"]
+    assert "```" not in multi, multi
+
+
+def test_a_long_line_is_completed_whole_on_qwen(client):
+    """No max_tokens: the copied line (over 16 tokens) ends at the line's end."""
+    line = '    "the quick brown fox jumps over the lazy dog, then runs far into the forest",'
+    text = "WORDS = [\n" + (line + "\n") * 3 + '    "\n]\n'
+    r = _complete(client, text, 4, 5)
+    assert r["text"] == line[5:], r
+    assert r["finish_reason"] == "stop" and r["stats"]["tokens"] > 16
+
+
+def test_an_edit_on_qwen_goes_through_its_chat_template(client):
+    """``auto`` is ``chat`` for Qwen2.5-Coder-Instruct: the new region is the region's
+    code (not the file around it, no fence, no prose), ending with the old region's line
+    break."""
+    text = "import math\n\n\ndef area(r):\n    return 3.14 * r * r\n\n\nprint(area(2))\n"
+    uri = _open(client, text)
+    try:
+        rng = {"start": {"line": 3, "character": 0}, "end": {"line": 5, "character": 0}}
+        r = client.request("edit", {"uri": uri, "range": rng,
+                                    "instruction": "rename r to radius"})  # fmt: skip
+    finally:
+        client.request("close", {"uri": uri})
+    assert r["mode"] == "chat"
+    new = r["text"]
+    assert "```" not in new and new.endswith("\n"), new
+    assert new.startswith("def area(") and "import" not in new and "print" not in new, new
+    ast.parse(new)
