@@ -41,11 +41,14 @@ def write_gguf(
     ffn: int = 128,
     seed: int = 0,
     extra_tensor: tuple[str, np.ndarray] | None = None,
+    mix: dict[str, str] | None = None,
 ) -> Path:
     """A random model of ``arch`` (``llama``, ``qwen2`` or anything else, to be refused)
     whose block matrices are ``qtype`` (the embedding too, when it is a quantized type);
     norms (and qwen2's q/k/v biases) stay F32. Sizes are multiples of 32 so every block
-    type fits."""
+    type fits. ``mix``: other block types by tensor kind (``attn_v``, ``ffn_down``,
+    ``token_embd``, ...; ``output``: a separate LM head, which the file otherwise lacks),
+    as llama.cpp's mixes (Q4_K_M) have them."""
     import gguf
     from gguf import GGMLQuantizationType as T
 
@@ -78,9 +81,11 @@ def write_gguf(
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
 
-    def mat(name: str, rows: int, cols: int, kind: str = qtype) -> None:
+    kinds = mix or {}
+
+    def mat(name: str, rows: int, cols: int) -> None:
         data = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
-        qt = T[kind]
+        qt = T[kinds.get(name.split(".")[-2], qtype)]
         if qt == T.F32:
             w.add_tensor(name, data)
         elif qt == T.F16:
@@ -94,6 +99,8 @@ def write_gguf(
     d = hidden // heads
     mat("token_embd.weight", vocab, hidden)
     vec("output_norm.weight", hidden)
+    if "output" in kinds:
+        mat("output.weight", vocab, hidden)
     for i in range(layers):
         b = f"blk.{i}."
         vec(b + "attn_norm.weight", hidden)

@@ -1,5 +1,5 @@
 """Test helpers: proposers that draft from a known answer (the plain-decoding output),
-and finding the daemon processes a test started."""
+finding the daemon processes a test started, and x as the int8 products round it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from codespec.speculators.draft import Draft, RequestInfo, StepResult
 
@@ -171,3 +174,14 @@ def wait_warmed(client, at_least: int, what: str, timeout: float = 60.0) -> None
     while client.request("stats")["requests"]["warmed"] < at_least:
         assert time.monotonic() < deadline, f"{what} was never warmed"
         time.sleep(0.02)
+
+
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as ``quant_gemm.linear_i8`` sees it: per 32 inputs, step d = max|x| / 127 (fp32),
+    q = x * (1 / d) rounded half to even, clamped to +-127; returns q * d (float64)."""
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)  # (M, K / 32, 1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return torch.from_numpy((q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape))

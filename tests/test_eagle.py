@@ -47,6 +47,7 @@ from codespec.speculators.policy import Controller
 from codespec.speculators.registry import make_proposer
 from codespec.speculators.target import TorchKernels
 from conftest import SPEC_PROMPTS, heldout_prompts, tiny_llama
+from helpers import rounded_rows
 
 VOCAB = 96
 TAPS = (1, 2, 3)
@@ -369,12 +370,28 @@ def test_int8_kernels_hold_a_heads_matrices_in_gguf_blocks():
     assert torch.equal(kn.linear(xo, kn.pack(odd)), plain.linear(xo, plain.pack(odd)))
 
 
+class _RoundedReference(Int8Kernels):
+    """Int8Kernels' own blocks, multiplied in float64 with x rounded to int8 as linear_i8
+    rounds it (``helpers.rounded_rows``): the int8 products' arithmetic but for their fp32
+    sums."""
+
+    def linear(self, x: torch.Tensor, w, res: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(w, quant_gemm.QuantMatrix):
+            return super().linear(x, w, res)
+        y = rounded_rows(x.float()) @ w.dequantize("scalar").double().t()
+        return (y if res is None else y + res.double()).float()
+
+
 @needs_i8
 def test_an_int8_target_gives_its_head_int8_kernels(spec_engine, monkeypatch):
     """A lean runner with int8 block products hands its draft head Int8Kernels; one with
-    exact products CpuGemmKernels. The int8 head's outputs follow the 16-bit head's
-    (random taps into a head trained for a few steps give flat logits, where the likeliest
-    token can swap with a near tie: the draft distributions are compared instead)."""
+    exact products CpuGemmKernels. The int8 head computes what its blocks and x's int8
+    rounding give: against a head whose products are those in float64 (the same blocks,
+    x rounded the same way, the same norms and attention), the outputs and logits differ
+    by fp32 sums and, where a sum's last bit moves an input across a rounding boundary,
+    one int8 step (1/127 of its block's largest |x|) of that input: ~1e-3 of the norm
+    each time, so 1e-2 allows several. The 4-bit weights' own rounding (up to ~15% of the
+    16-bit head's logits, CPU by CPU as training rounds differently) is no part of it."""
     assert type(spec_engine.kernels(torch.float32)) is CpuGemmKernels  # the tiny model
     monkeypatch.setattr(spec_engine.runner, "int8", True, raising=False)
     kn = spec_engine.kernels(torch.float32)
@@ -383,17 +400,16 @@ def test_an_int8_target_gives_its_head_int8_kernels(spec_engine, monkeypatch):
     rt = load_runtime(spec_engine)
     head = load_head(rt.path, emb.float())
     q8 = HeadRunner(head, emb, 64, kernels=kn)
+    ref = HeadRunner(head, emb, 64, kernels=_RoundedReference())
     f16 = HeadRunner(head, emb, 64, kernels=CpuGemmKernels())
     assert q8.param_bytes < 0.6 * f16.param_bytes
     taps = torch.randn(6, 3, spec_engine.hidden_size, generator=torch.Generator().manual_seed(0))
     ids = [5, 6, 7, 8, 9, 10]
     a = q8.forward(ids, q8.fuse(taps), torch.arange(1, 7))
-    b = f16.forward(ids, f16.fuse(taps), torch.arange(1, 7))
-    for x, y in zip(a, b, strict=True):  # outputs and logits: the blocks' rounding only
+    b = ref.forward(ids, ref.fuse(taps), torch.arange(1, 7))
+    for x, y in zip(a, b, strict=True):  # outputs and logits
         err = ((x - y).norm() / y.norm()).item()
-        assert err < 0.1, err
-    tv = (a[1].softmax(-1) - b[1].softmax(-1)).abs().sum(-1) / 2  # total variation per row
-    assert tv.max().item() < 0.1, tv
+        assert err < 1e-2, err
 
 
 def test_a_heads_few_row_products_run_on_one_thread(monkeypatch):

@@ -11,7 +11,11 @@ refused by name; and the default model's GGUF multiplies right, matrix type by t
 
 gguf 0.19 quantizes Q8_0, Q4_0 and Q4_1 but not the K-quants (NotImplementedError), so
 K-quant blocks are random bytes with random finite fp16 scales, dequantized by gguf as
-the reference.
+the reference; so are Q5_0 and Q5_1 blocks (every high bit and every quant value, which
+gguf's quantizer of normal data rarely reaches).
+
+Every test runs each path this CPU can execute, the portable one among them: no test skips
+for a missing CPU feature, so every machine checks the same behaviour on what it has.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ gguf = pytest.importorskip("gguf")
 from codespec import native  # noqa: E402
 from codespec.daemon.engine import cpu_gemm, quant_gemm  # noqa: E402
 from codespec.daemon.engine.quant_gemm import QuantMatrix  # noqa: E402
+from helpers import rounded_rows  # noqa: E402
 
 TYPES = list(quant_gemm.QTYPES)
 ROWS = [1, 2, 3, 4, 8, 16]
@@ -38,15 +43,12 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _isas() -> list:
-    """Every path of the kernel; one this CPU cannot run is skipped, saying so."""
-    out = []
-    for isa in quant_gemm.ISAS:
-        if quant_gemm.library() is not None and not quant_gemm.isa_supported(isa):
-            out.append(pytest.param(isa, marks=pytest.mark.skip(f"this CPU cannot run {isa}")))
-        else:
-            out.append(isa)  # no kernel at all: needs_kernel skips it with the reason
-    return out
+def _isas() -> list[str]:
+    """The exact product's paths this CPU runs (the portable one first); all of them where
+    the kernel cannot be built (needs_kernel skips those with the reason)."""
+    if quant_gemm.library() is None:
+        return list(quant_gemm.ISAS)
+    return quant_gemm.available_isas()
 
 
 def random_gguf(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -64,7 +66,8 @@ def random_gguf(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
         raw[..., 208:210] = d
     else:
         raw[..., 0:2] = d
-        raw[..., 2:4] = dmin
+        if qtype != "Q5_0":  # Q5_0's bytes 2-5 are its high bits
+            raw[..., 2:4] = dmin
     return raw.reshape(n, k // bk * size)
 
 
@@ -220,10 +223,10 @@ def test_scalar_path_forced_by_environment(monkeypatch: pytest.MonkeyPatch) -> N
 @needs_kernel
 def test_unsupported_block_types_are_refused_by_name() -> None:
     raw = np.zeros((16, 22), dtype=np.uint8)
-    with pytest.raises(ValueError, match="Q5_0"):
-        QuantMatrix.from_bytes(raw, "Q5_0", 16, 32)
-    with pytest.raises(ValueError, match="Q5_0"):
-        QuantMatrix.from_bytes(raw, int(gguf.GGMLQuantizationType.Q5_0), 16, 32)
+    with pytest.raises(ValueError, match="IQ4_NL"):
+        QuantMatrix.from_bytes(raw, "IQ4_NL", 16, 32)
+    with pytest.raises(ValueError, match="IQ4_NL"):
+        QuantMatrix.from_bytes(raw, int(gguf.GGMLQuantizationType.IQ4_NL), 16, 32)
     with pytest.raises(ValueError, match="IQ4_XS"):
         QuantMatrix.from_bytes(raw, gguf.GGMLQuantizationType.IQ4_XS, 16, 256)
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -280,17 +283,6 @@ def _i8_isas() -> list[str]:
     if quant_gemm.i8_isa() == "avx512-vnni":
         isas.append("avx512-vnni")
     return isas
-
-
-def rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as linear_i8 sees it: per 32 inputs, step d = max|x| / 127 (fp32), q = x * (1 / d)
-    rounded half to even, clamped to +-127; returns q * d (float64)."""
-    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
-    d = np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)  # (M, K / 32, 1)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    q = np.clip(np.rint(xb * inv), -127, 127)
-    return torch.from_numpy((q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape))
 
 
 @needs_kernel
@@ -418,7 +410,9 @@ def test_i8_many_equals_each_product_alone_bit_for_bit() -> None:
     quantizes x once; each matrix's columns equal its own product, with its bias."""
     k = 256
     mats, biases = [], []
-    for i, (qtype, n) in enumerate([("Q4_1", 67), ("Q8_0", 16), ("Q6_K", 33), ("Q4_K", 5)]):
+    for i, (qtype, n) in enumerate(
+        [("Q4_1", 67), ("Q8_0", 16), ("Q6_K", 33), ("Q4_K", 5), ("Q5_0", 21), ("Q5_1", 40)]
+    ):
         mats.append(QuantMatrix.from_bytes(random_gguf(qtype, n, k, seed=30 + i), qtype, n, k))
         biases.append(torch.randn(n) if i % 2 else None)
     x = torch.randn(16, k, generator=torch.Generator().manual_seed(4))
@@ -441,6 +435,8 @@ QUANT_BYTES = {
     "Q8_0": slice(2, 34),
     "Q4_0": slice(2, 18),
     "Q4_1": slice(4, 20),
+    "Q5_0": slice(2, 22),
+    "Q5_1": slice(4, 24),
     "Q4_K": slice(16, 144),
     "Q5_K": slice(16, 176),
     "Q6_K": slice(0, 192),
@@ -451,7 +447,7 @@ QUANT_BYTES = {
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_i8_largest_quants_do_not_overflow_the_integer_sums(qtype: str, sign: float) -> None:
-    """Every quant at its largest magnitude (4-bit 15, Q5_K 31, Q6_K 63, Q8_0 -128) against
+    """Every quant at its largest magnitude (4-bit 15, 5-bit 31, Q6_K 63, Q8_0 -128) against
     x rounded to +-127 everywhere: the vector paths' 16-bit partial sums are at their bound
     and must still equal the scalar path's 32-bit ones bit for bit."""
     n, k = 33, k_for(qtype)

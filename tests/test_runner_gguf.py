@@ -2,17 +2,21 @@
 
 Tiny random models written by the test itself with ``gguf.GGUFWriter`` (``tests/ggufs.py``):
 llama (q/k rows permuted by llama.cpp's convention, un-permuted on load) with Q8_0, Q4_1,
-Q4_K or Q6_K matrices, and qwen2 (q/k/v biases, no permutation). gguf quantizes Q8_0 and
-Q4_1 itself; K-quant blocks are random bytes with small random fp16 scales (gguf cannot
-quantize them), so the weights are what gguf dequantizes them to.
+Q4_K or Q6_K matrices, and qwen2 (q/k/v biases, no permutation) with Q4_1 matrices or
+Qwen2.5-Coder-0.5B's mix (Q5_0, v Q8_0 so q/k/v are not fused, a Q5_1 ffn_down, a separate
+Q8_0 LM head). gguf quantizes Q8_0, Q4_x and Q5_x itself; K-quant blocks are random
+bytes with small random fp16 scales (gguf cannot quantize them), so the weights are what
+gguf dequantizes them to.
 
 Checked: logits within tolerance of transformers' model of the same file
 (``from_pretrained(gguf_file=...)``, dequantized fp32) through prefill, decode, chains,
 a tree with ``keep`` and ``truncate`` (bf16 attention: against transformers' model with the
 same roundings in its attention); decode rows equal verify rows bit for bit (chain, tree,
-after keep); the scalar / AVX2 paths, one or two threads and (bf16 attention) the CPU's own
-bf16 dot products or FMAs give the very logits of the best path; the int8-activation
-option keeps rows bit-equal too; the header parser
+after keep); every path below the best this CPU runs (the plain C++ one, AVX2 under
+AVX-512), one or two threads and (bf16 attention) the CPU's own bf16 dot products or FMAs
+give the very logits of the best path; the int8-activation option keeps rows bit-equal too
+(it runs on every CPU: the int8 products have a plain C++ path, so no test skips for want
+of AVX2 or VNNI; ``CODESPEC_QGEMM_ISA=scalar`` runs this file on it); the header parser
 agrees with gguf's reader; a folder the model cache made from a GGUF loads from its
 blocks, an unsupported one is refused with a reason; the fast tokenizer answers as
 ``AutoTokenizer`` does.
@@ -70,10 +74,15 @@ def _random_kquant(data: np.ndarray, qt, rng: np.random.Generator) -> np.ndarray
     return raw.reshape(rows, k // bk * size)
 
 
+# Other block types by tensor kind, per main type (``write_gguf``'s ``types``).
+MIXES = {"Q5_0": {"attn_v": "Q8_0", "ffn_down": "Q5_1", "output": "Q8_0"}}
+
+
 def _write(path: Path, qtype: str, arch: str = "llama", seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if qtype not in KQUANT_SCALE:
-        return write_gguf(path, arch=arch, qtype=qtype, seed=seed, **SHAPE)
+        mix = MIXES.get(qtype)
+        return write_gguf(path, arch=arch, qtype=qtype, seed=seed, mix=mix, **SHAPE)
     real = gguf.quants.quantize
     rng = np.random.default_rng(seed)
 
@@ -139,7 +148,7 @@ def _bf16_attention(module, query, key, value, attention_mask, scaling, **_):
 
 ATTENTIONS = ["fp32", "bf16"]  # the stack's (qstack.ATTENTION)
 CASES = [("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "Q4_K"), ("llama", "Q6_K")]
-CASES += [("qwen2", "Q4_1")]
+CASES += [("qwen2", "Q4_1"), ("qwen2", "Q5_0")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
@@ -247,16 +256,20 @@ def _run(runner: LeanRunner, v: int) -> list[torch.Tensor]:
     return out
 
 
+def _lesser_isas() -> list[str]:
+    """The paths this CPU runs below its best (the portable one first)."""
+    return quant_gemm.available_isas()[:-1] if quant_gemm.library() is not None else []
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("isa", _lesser_isas())
 def test_fallback_paths_give_the_same_logits(
     model_file: Path, isa: str, attention: str, monkeypatch
 ) -> None:
-    """CODESPEC_QGEMM_ISA forces the products' and the stack's path: the plain C++ one (and
-    AVX2 where AVX-512 is the default) gives the very logits of the default path (with bf16
-    attention: FMAs in vdpbf16ps's order where the default path may run vdpbf16ps)."""
-    if not quant_gemm.isa_supported(isa):
-        pytest.skip(f"this CPU cannot run the {isa} path")
+    """CODESPEC_QGEMM_ISA forces the products' and the stack's path: every other path this
+    CPU runs (the plain C++ one, and AVX2 where AVX-512 is the default) gives the very
+    logits of the default path (with bf16 attention: FMAs in vdpbf16ps's order where the
+    default path may run vdpbf16ps)."""
     best = LeanRunner.from_gguf(model_file, max_length=96, attention=attention)
     ref = _run(best, best.vocab_size)
     monkeypatch.setenv(quant_gemm.ISA_ENV, isa)
@@ -326,8 +339,6 @@ def test_attention_tasks_fetch_their_next_tasks_keys_and_change_no_number(
     the keys and values of its thread's next task along them (cs_lean_att_lead lines a
     step); a one-pass task (a decode step) does not. Off, 1 and 4 lines a step, 1 and 2
     threads: the same logits bit for bit."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
     before = lib.cs_lean_att_lead(0)
@@ -404,8 +415,6 @@ def test_thread_shares_change_no_number(model_file: Path) -> None:
     thread (0.3, 0.45 and 0.6 cut the 16- and 8-panel matrices inside a group of four
     panels, leaving each thread 1, 2 or 3 of it: the passes over part of a group);
     adapting moves it within 0.25-0.75 and only for two threads."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
 
@@ -447,8 +456,6 @@ def test_sharing_out_by_rows_changes_no_number(model_file: Path) -> None:
     bit as by panels and as one thread, for a prefill, chains, a tree whose branches fall
     on both sides of the cut and any cut the thread shares give (0.25 / 0.75 of two), and
     on three threads (two cuts)."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
     runner = LeanRunner.from_gguf(model_file, max_length=128, int8=True)
@@ -510,8 +517,6 @@ def test_forwards_by_rows_keep_a_share_of_their_own(model_file: Path) -> None:
     decode step (by panels) moves the panels' fraction and leaves the rows' one as it was
     (a step's product balance used to move the next verification's cut), and a forward by
     rows moves the rows' one and leaves the panels'."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
     runner = LeanRunner.from_gguf(model_file, max_length=96, int8=True)
@@ -544,8 +549,6 @@ def test_forwards_by_rows_do_not_meet_at_every_layer(tmp_path: Path) -> None:
     """Shared out by tokens, a forward's threads do not all meet before each layer's
     attention (each waits only for the keys of the threads before it): its barrier rounds
     do not grow with the layers, where by panels they grow by several a layer."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     lib = quant_gemm.library()
     assert lib is not None
     rounds: dict[tuple[int, int], int] = {}
@@ -595,8 +598,6 @@ def test_one_region_forward_equals_a_region_per_product(model_file: Path, monkey
     barriers (spinning, or sleeping on a busy machine); the logits, taps and cache equal
     those of the forward that opens a region per product, for 1, 2 and 3 threads (3 on
     this 2-core machine: threads descheduled at the barriers), chains and trees."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
 
     def run(runner: LeanRunner) -> list[torch.Tensor]:
         v = runner.vocab_size
@@ -694,8 +695,6 @@ def test_a_greedy_draft_stops_the_lm_head_where_verification_ends(
     tree's accepted path's end); the rows it gives equal the full forward's bit for bit,
     the cache is the same (one-region and per-product forwards, int8 and exact products),
     and greedy verification of the rows given accepts what it accepts with every row."""
-    if int8 and not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     monkeypatch.setenv("CODESPEC_LEAN_REGIONS", regions)
     runner = LeanRunner.from_gguf(model_file, max_length=128, int8=int8)
     v = runner.vocab_size
@@ -746,8 +745,6 @@ def test_the_stack_names_each_rows_argmax(model_file: Path, regions: str, monkey
     """ForwardOut.best: each logit row's argmax as torch takes it, whichever thread computed
     which columns of the LM head (one thread or two, thread 0 holding none, some or all of
     them), with the head stopped early or not, a chain, a tree or one token."""
-    if not quant_gemm.i8_available():
-        pytest.skip("no int8 product path on this CPU")
     monkeypatch.setenv("CODESPEC_LEAN_REGIONS", regions)
     lib = quant_gemm.library()
     assert lib is not None
@@ -804,7 +801,7 @@ def test_header_parser_agrees_with_gguf(model_file: Path) -> None:
         assert np.array_equal(mine.raw(t.name), np.asarray(t.data).view(np.uint8).reshape(-1))
     cfg = gguf_weights.config_from_meta(mine)
     assert (cfg.hidden_size, cfg.num_hidden_layers) == (SHAPE["hidden"], SHAPE["layers"])
-    assert cfg.tie_word_embeddings
+    assert cfg.tie_word_embeddings == ("output.weight" not in mine.tensors)
 
 
 def test_model_folder_loads_from_the_blocks(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ It knows nothing about runners, tokenizers or the engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
@@ -34,9 +35,9 @@ import torch
 from codespec.daemon.engine import quant_gemm
 
 GGUF_MAGIC = b"GGUF"
-# GGML type id -> (values per block, bytes per block) for the types this module reads.
-TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K"}
-TYPE_NAMES.update({14: "Q6_K", 30: "BF16"})
+# GGML type id -> name, and name -> (values per block, bytes per block), for the types this
+# module reads: the floats and every block type the kernel reads.
+TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", **{i: n for n, i in quant_gemm.QTYPES.items()}}
 SIZES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), **quant_gemm.BLOCKS}
 ARCHITECTURES = ("llama", "qwen2")
 # metadata value types: fixed-size scalars (struct format), 8 string, 9 array
@@ -93,6 +94,16 @@ class GGUFFile:
         else:
             raise GGUFError(f"{name} is {t.type_name}, not a float tensor")
         return torch.from_numpy(arr.copy()).reshape(tuple(reversed(t.shape)))
+
+    def drop(self, name: str | None = None) -> None:
+        """Take a tensor's pages (None: the whole file's) out of this process once its bytes
+        are copied: the map's file pages count in its resident memory while they stay
+        mapped in; a later read maps them in again from the page cache."""
+        t = self.tensors[name] if name is not None else None
+        start = t.offset // mmap.PAGESIZE * mmap.PAGESIZE if t else 0
+        end = t.offset + t.nbytes if t else len(self._map)
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise here:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)  # they stay mapped
 
 
 def _read_string(buf: memoryview, pos: int) -> tuple[str, int]:
@@ -281,15 +292,21 @@ def _group(g: GGUFFile, names: list[str], perms: list[np.ndarray | None], bias: 
             zeros = [torch.zeros(p[2]) for p in parts]
             b = torch.cat([x if x is not None else z for x, z in zip(biases, zeros, strict=True)])
         qm = quant_gemm.QuantMatrix.from_bytes(rows, parts[0][1], rows.shape[0], parts[0][3])
-        return [(qm, b)]
-    return [
-        (quant_gemm.QuantMatrix.from_bytes(r, kind, n, k), b)
-        for (r, kind, n, k), b in zip(parts, biases, strict=True)
-    ]
+        out = [(qm, b)]
+    else:
+        out = [
+            (quant_gemm.QuantMatrix.from_bytes(r, kind, n, k), b)
+            for (r, kind, n, k), b in zip(parts, biases, strict=True)
+        ]
+    for name in names:
+        g.drop(name + ".weight")
+    return out
 
 
 def load(g: GGUFFile, config: Any) -> GGUFWeights:
-    """Every weight of ``g`` as the lean runner holds it (see the module docstring)."""
+    """Every weight of ``g`` as the lean runner holds it (see the module docstring). Each
+    matrix's file pages leave the process once they are copied into its panels, so the
+    file and the panels are never resident together (:meth:`GGUFFile.drop`)."""
     why = unsupported(g, config)
     if why:
         raise GGUFError(f"{g.path.name}: {why}")
@@ -312,9 +329,11 @@ def load(g: GGUFFile, config: Any) -> GGUFWeights:
             }
         )
     embed = quant_gemm.QuantMatrix.from_bytes(*_rows_of(g, "token_embd.weight"))
+    g.drop("token_embd.weight")
     head = embed
     if "output.weight" in g.tensors:
         head = quant_gemm.QuantMatrix.from_bytes(*_rows_of(g, "output.weight"))
+    g.drop()  # also the pages that reading the norms faulted in around them
     return GGUFWeights(config, embed, head, g.floats("output_norm.weight"), layers, g.path)
 
 

@@ -1,8 +1,8 @@
 """Products with GGUF block-quantized weights on the CPU: the C++ code in ``csrc/qgemm.cpp``.
 
 Owns the weights of one matrix in GGUF's own blocks (:class:`QuantMatrix`: Q8_0, Q4_0,
-Q4_1, Q4_K, Q5_K, Q6_K, repacked once into 16-row panels of exactly the same bytes, plus
-zero blocks for the rows that round ``n`` up to a multiple of 16),
+Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, repacked once into 16-row panels of exactly the same
+bytes, plus zero blocks for the rows that round ``n`` up to a multiple of 16),
 building and loading that kernel, and the product :func:`linear`
 (``y = x @ W^T (+ bias) (+ res)``, x fp32). It must not know anything about models or
 about how a GGUF file is laid out beyond one tensor's blocks: callers hand it a reader
@@ -50,22 +50,17 @@ SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
 # Built into the same library: the lean runner's decoder stack (``qstack``), which calls
 # the products directly.
 SOURCES = (SOURCE, SOURCE.parent / "stack.cpp")
-HEADERS = (SOURCE.parent / "lean_ops.inc.cpp",)  # included by stack.cpp
+# included by stack.cpp / by qgemm.cpp once per vector ISA
+HEADERS = (SOURCE.parent / "lean_ops.inc.cpp", SOURCE.parent / "qgemm_exact.inc.cpp")
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 PANEL = 16  # output rows per panel; a matrix's rows are padded with zero blocks to a multiple
 ISA_ENV = "CODESPEC_QGEMM_ISA"
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 _VNNI = 3  # the kernel's code for AVX-512 with VNNI (linear_i8 only)
 # GGML type ids of the block types the kernel reads, and (k per block, bytes per block).
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-BLOCKS = {
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-    "Q8_0": (32, 34),
-    "Q4_K": (256, 144),
-    "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
-}
+QTYPES = dict(Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14)
+BLOCKS = dict(Q4_0=(32, 18), Q4_1=(32, 20), Q5_0=(32, 22), Q5_1=(32, 24), Q8_0=(32, 34))
+BLOCKS |= dict(Q4_K=(256, 144), Q5_K=(256, 176), Q6_K=(256, 210))
 
 
 def _declare(lib: ctypes.CDLL) -> None:

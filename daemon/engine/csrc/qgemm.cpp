@@ -1,7 +1,7 @@
 // Products with GGUF block-quantized weights on the CPU (codespec.daemon.quant_gemm).
 //
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) (+ res[M, N]), x fp32, W one of GGUF's block
-// types Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, kept in its own bytes: no fp32 or fp16 copy
+// types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, kept in its own bytes: no fp32 or fp16 copy
 // of the weights ever exists. Weights are widened to fp32 inside the kernel, exactly:
 // w = fma(scale, q, off) with q the block's integer quant as a float and scale / off
 // the block's fp16 scale and min (or the K-quants' d * sc and -dmin * m, exact products
@@ -11,17 +11,19 @@
 // Layout (made once by cs_q_pack from the GGUF rows): output rows are taken 16 at a time
 // ("panels", padded with zero blocks to a multiple of 16). One panel block holds its 16
 // rows' blocks side by side:
-//   header: the 16 rows' scales (fp16 d[16], then Q4_1's m[16] / the K-quants' dmin[16],
+//   header: the 16 rows' scales (fp16 d[16], then Q4_1's / Q5_1's m[16] / the K-quants'
+//           dmin[16],
 //           then the K-quants' sub-block scales, re-encoded 16 columns wide),
 //   groups: BK / 4 groups of four consecutive k, each holding 16 columns x 4 k values:
 //     N4 (4-bit quants, 32 bytes): byte 4i + t holds (column i, k t) in its low nibble and
 //        (column 8 + i, k t) in its high nibble;
 //     B4 (Q8_0, 64 bytes): byte 4c + t holds (column c, k t);
-//     P4 (a bit plane, 8 bytes, Q5_K's bit 4 and Q6_K's bits 4 and 5): bit 4c + t.
+//     P4 (a bit plane, 8 bytes, Q5_0's, Q5_1's and Q5_K's bit 4, Q6_K's bits 4 and 5):
+//        bit 4c + t (after the N4 bytes of the group).
 // Panels are stored four at a time (GROUP), interleaved so that the four are one stream:
 // block b of a group holds the four headers, then group 0 of each panel, group 1 of each,
 // and so on. A panel block has exactly the bytes of its 16 GGUF blocks (16 x 34, 18, 20,
-// 144, 176 or 210). Expanding a group gives, per column c, a 32-bit lane whose byte t is
+// 22, 24, 144, 176 or 210). Expanding a group gives, per column c, a 32-bit lane whose byte t is
 // the quant of k t: the layout AVX-512 wants (one zmm of 16 columns), AVX2 too (two ymm
 // of 8), and the one integer dot products (vpdpbusd / vpmaddubsw: 4 bytes per lane) want.
 //
@@ -36,10 +38,13 @@
 // the weights of a group (64 outputs; 32 from 5 rows on, for registers) in registers as
 // they stream in and uses each vector for every row; "scratch" for more rows widens a
 // group's panels (K x 16 floats each, in L2) once and runs a register-blocked fp32
-// product over them, so the widening is paid once for all rows. Exact widening costs one
-// FMA per weight vector besides the rows' own: a one-row product is bound by the vector
-// pipes (about 10 GB/s of Q4_1 per Zen 4 core), many rows by the FMA units (16 fp32
-// multiply-adds per cycle per core).
+// product over them, so the widening is paid once for all rows. Both paths are one source,
+// qgemm_exact.inc.cpp, included by each vector ISA's namespace over that ISA's primitives
+// for 16 columns (load and expand a group, its quants as floats, scales, fma, store); only
+// the primitives and the pass shapes (rows and panels a pass, for the registers) are
+// written per ISA. Exact widening costs one FMA per weight vector besides the rows' own:
+// a one-row product is bound by the vector pipes (about 10 GB/s of Q4_1 per Zen 4 core),
+// many rows by the FMA units (16 fp32 multiply-adds per cycle per core).
 //
 // A second product, cs_qgemm_i8, is what llama.cpp does instead: each row of x is rounded
 // to int8 per 32 k (one fp32 scale per 32), and blocks are multiplied by integer dot
@@ -62,7 +67,16 @@
 
 namespace {
 
-constexpr int T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14;
+constexpr int T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12,
+              T_Q5_K = 13, T_Q6_K = 14;
+
+// The types whose groups carry one bit plane (the quants' bit 4: 5-bit quants, 0 .. 31).
+template <int T>
+constexpr bool five_bit = T == T_Q5_0 || T == T_Q5_1 || T == T_Q5_K;
+constexpr bool has_min(int t) { return t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K; }
+constexpr int planes(int t) {
+  return t == T_Q6_K ? 2 : t == T_Q5_0 || t == T_Q5_1 || t == T_Q5_K ? 1 : 0;
+}
 
 // Per type: k per block, bytes per GGUF block, k per sub-block (one scale), where the
 // groups start in a panel block, bytes per group.
@@ -74,6 +88,8 @@ struct TrOf {
 template <> struct Tr<T_Q8_0> : TrOf<32, 34, 32, 32, 64> {};
 template <> struct Tr<T_Q4_0> : TrOf<32, 18, 32, 32, 32> {};
 template <> struct Tr<T_Q4_1> : TrOf<32, 20, 32, 64, 32> {};
+template <> struct Tr<T_Q5_0> : TrOf<32, 22, 32, 32, 40> {};
+template <> struct Tr<T_Q5_1> : TrOf<32, 24, 32, 64, 40> {};
 template <> struct Tr<T_Q4_K> : TrOf<256, 144, 32, 256, 32> {};
 template <> struct Tr<T_Q5_K> : TrOf<256, 176, 32, 256, 40> {};
 template <> struct Tr<T_Q6_K> : TrOf<256, 210, 16, 288, 48> {};
@@ -89,6 +105,8 @@ bool desc_of(int t, Desc& d) {
     QG_DESC(T_Q8_0)
     QG_DESC(T_Q4_0)
     QG_DESC(T_Q4_1)
+    QG_DESC(T_Q5_0)
+    QG_DESC(T_Q5_1)
     QG_DESC(T_Q4_K)
     QG_DESC(T_Q5_K)
     QG_DESC(T_Q6_K)
@@ -162,6 +180,21 @@ void decode_native(int t, const uint8_t* b, Blk& o) {
       }
       break;
     }
+    case T_Q5_0:
+    case T_Q5_1: {  // d, (Q5_1: m), 32 high bits (bit i: quant i), 16 bytes of nibbles
+      o.d = rd16(b);
+      const uint8_t* qh = b + 2;
+      if (t == T_Q5_1) {
+        o.m = rd16(b + 2);
+        qh = b + 4;
+      }
+      const uint8_t* qs = qh + 4;
+      for (int i = 0; i < 16; ++i) {
+        o.q[i] = (qs[i] & 15) | (((qh[i / 8] >> (i % 8)) & 1) << 4);
+        o.q[i + 16] = (qs[i] >> 4) | (((qh[2 + i / 8] >> (i % 8)) & 1) << 4);
+      }
+      break;
+    }
     case T_Q4_K:
     case T_Q5_K: {
       o.d = rd16(b);
@@ -211,6 +244,20 @@ void encode_native(int t, const Blk& o, uint8_t* b) {
       for (int i = 0; i < 16; ++i) qs[i] = (o.q[i] & 15) | (o.q[i + 16] << 4);
       break;
     }
+    case T_Q5_0:
+    case T_Q5_1: {
+      wr16(b, o.d);
+      uint8_t* qh = b + 2;
+      if (t == T_Q5_1) {
+        wr16(b + 2, o.m);
+        qh = b + 4;
+      }
+      uint8_t* qs = qh + 4;
+      memset(qh, 0, 4);
+      for (int i = 0; i < 32; ++i) qh[i / 8] |= ((o.q[i] >> 4) & 1) << (i % 8);
+      for (int i = 0; i < 16; ++i) qs[i] = (o.q[i] & 15) | ((o.q[i + 16] & 15) << 4);
+      break;
+    }
     case T_Q4_K:
     case T_Q5_K: {
       wr16(b, o.d);
@@ -253,7 +300,7 @@ void pack_block(int t, const Blk* col, uint8_t* p) {
   desc_of(t, ds);
   memset(p, 0, 16 * ds.native);
   for (int c = 0; c < 16; ++c) wr16(p + 2 * c, col[c].d);
-  if (t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K)
+  if (has_min(t))
     for (int c = 0; c < 16; ++c) wr16(p + 32 + 2 * c, col[c].m);
   if (t == T_Q4_K || t == T_Q5_K) {
     for (int j = 0; j < 8; ++j) {
@@ -279,8 +326,8 @@ void pack_block(int t, const Blk* col, uint8_t* p) {
         }
       }
     }
-    if (t == T_Q5_K || t == T_Q6_K) {
-      for (int plane = 0; plane < (t == T_Q6_K ? 2 : 1); ++plane) {
+    if (planes(t)) {
+      for (int plane = 0; plane < planes(t); ++plane) {
         uint64_t bits = 0;
         for (int c = 0; c < 16; ++c)
           for (int k = 0; k < 4; ++k)
@@ -297,7 +344,7 @@ void unpack_block(int t, const uint8_t* p, Blk* col) {
   for (int c = 0; c < 16; ++c) {
     col[c] = Blk();
     col[c].d = rd16(p + 2 * c);
-    if (t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K) col[c].m = rd16(p + 32 + 2 * c);
+    if (has_min(t)) col[c].m = rd16(p + 32 + 2 * c);
   }
   if (t == T_Q4_K || t == T_Q5_K) {
     for (int j = 0; j < 8; ++j) {
@@ -313,8 +360,8 @@ void unpack_block(int t, const uint8_t* p, Blk* col) {
       for (int c = 0; c < 16; ++c) col[c].sc[j] = p[32 + 16 * j + c];
   for (int g = 0; g < ds.bk / 4; ++g) {
     const uint8_t* gp = p + ds.goff + g * ds.gb;
-    const uint64_t h0 = (t == T_Q5_K || t == T_Q6_K) ? rd64(gp + 32) : 0;
-    const uint64_t h1 = t == T_Q6_K ? rd64(gp + 40) : 0;
+    const uint64_t h0 = planes(t) >= 1 ? rd64(gp + 32) : 0;
+    const uint64_t h1 = planes(t) == 2 ? rd64(gp + 40) : 0;
     for (int c = 0; c < 16; ++c) {
       for (int k = 0; k < 4; ++k) {
         uint8_t v;
@@ -361,6 +408,8 @@ void scale_off(int t, const Blk& b, int j, float& scale, float& off) {
     case T_Q8_0: scale = d; off = 0.0f; break;
     case T_Q4_0: scale = d; off = d * -8.0f; break;
     case T_Q4_1: scale = d; off = h2f(b.m); break;
+    case T_Q5_0: scale = d; off = d * -16.0f; break;
+    case T_Q5_1: scale = d; off = h2f(b.m); break;
     case T_Q4_K:
     case T_Q5_K:
       scale = d * static_cast<float>(b.sc[j]);
@@ -594,7 +643,7 @@ inline I group(const uint8_t* g) {
     I z = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g)));
     const I sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     z = _mm512_and_si512(_mm512_srlv_epi16(z, sh), _mm512_set1_epi8(15));
-    if constexpr (T == T_Q5_K || T == T_Q6_K)
+    if constexpr (five_bit<T> || T == T_Q6_K)
       z = _mm512_mask_add_epi8(z, _cvtu64_mask64(rd64(g + 32)), z, _mm512_set1_epi8(16));
     if constexpr (T == T_Q6_K)
       z = _mm512_mask_add_epi8(z, _cvtu64_mask64(rd64(g + 40)), z, _mm512_set1_epi8(32));
@@ -606,13 +655,13 @@ template <int T, int t>
 inline V quant(I z) {
   if constexpr (T == T_Q8_0) {
     return _mm512_cvtepi32_ps(byte_s<t>(z));
-  } else if constexpr (T == T_Q4_0 || T == T_Q4_1 || T == T_Q4_K || T == T_Q5_K) {
+  } else if constexpr (T != T_Q6_K) {  // 4- and 5-bit quants
     // a table lookup instead of a conversion: vpermps reads the low 4 (vpermt2ps: 5) bits
     // of each lane, so byte t only needs shifting down, and the float comes out directly
     // (conversions share the FMA pipes on Zen 4; permutes do not)
     const V lo = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const I idx = t == 0 ? z : _mm512_srli_epi32(z, 8 * t);
-    if constexpr (T == T_Q5_K) {
+    if constexpr (five_bit<T>) {
       const V hi = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
       return _mm512_permutex2var_ps(lo, idx, hi);
     } else {
@@ -635,7 +684,10 @@ inline void scales(const uint8_t* p, int j, V& sc, V& off) {
   } else if constexpr (T == T_Q4_0) {
     sc = d;
     off = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-  } else if constexpr (T == T_Q4_1) {
+  } else if constexpr (T == T_Q5_0) {
+    sc = d;
+    off = _mm512_mul_ps(d, _mm512_set1_ps(-16.0f));
+  } else if constexpr (T == T_Q4_1 || T == T_Q5_1) {
     sc = d;
     off = h16(p + 32);
   } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
@@ -667,152 +719,44 @@ inline void put(const Args& a, int64_t m, int64_t n, V v, __mmask16 mk) {
   _mm512_mask_storeu_ps(a.y + m * a.ldy + n, mk, v);
 }
 
-// MR rows (from m) x NP panels (from p): widen in registers, every weight vector used for
-// all MR rows; MR * NP independent FMA chains.
+// 16 columns for qgemm_exact.inc.cpp: one zmm.
+using W = V;
+using G = I;
+inline W wzero() { return _mm512_setzero_ps(); }
+inline W wset1(float f) { return _mm512_set1_ps(f); }
+inline W wfma(W a, W b, W c) { return _mm512_fmadd_ps(a, b, c); }
+inline W wload(const float* p) { return _mm512_loadu_ps(p); }
+inline void wstore(float* p, W w) { _mm512_storeu_ps(p, w); }
+template <int T, int t>
+inline W wquant(G z) {
+  return quant<T, t>(z);
+}
+inline void put16(const Args& a, int64_t m, int64_t n, W v, int64_t cols) {
+  put(a, m, n, v, cols_mask(cols));
+}
+
 template <int T, int MR, int NP>
-void direct(const Args& a, int64_t m, int64_t p) {
-  using F = Tr<T>;
-  constexpr int BYTES = 16 * F::NATIVE;
-  V acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < NP; ++q) acc[r][q] = _mm512_setzero_ps();
-  const float* x = a.x + m * a.ldx;
-  const Ref pr = ref_of(a, p, BYTES);
-  const int64_t nb = a.K / F::BK;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < F::BK / F::SUB; ++j) {
-      V sc[NP], off[NP];
-      for (int q = 0; q < NP; ++q) scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
-      for (int g = 0; g < F::SUB / 4; ++g) {
-        const int gi = j * (F::SUB / 4) + g;
-        const int64_t k = b * F::BK + 4 * gi;
-        I z[NP];
-        for (int q = 0; q < NP; ++q) {
-          const uint8_t* gp = group_at(pr, b, F::GOFF, F::GB, gi, q);
-          z[q] = group<T>(gp);
-        }
-        auto step = [&](auto tc) {
-          constexpr int t = decltype(tc)::value;
-          V xb[MR];
-          for (int r = 0; r < MR; ++r) xb[r] = _mm512_set1_ps(x[r * a.ldx + k + t]);
-          for (int q = 0; q < NP; ++q) {
-            const V w = _mm512_fmadd_ps(sc[q], quant<T, t>(z[q]), off[q]);
-            for (int r = 0; r < MR; ++r) acc[r][q] = _mm512_fmadd_ps(xb[r], w, acc[r][q]);
-          }
-        };
-        step(std::integral_constant<int, 0>());
-        step(std::integral_constant<int, 1>());
-        step(std::integral_constant<int, 2>());
-        step(std::integral_constant<int, 3>());
-      }
-    }
-  }
-  for (int q = 0; q < NP; ++q) {
-    const __mmask16 mk = cols_mask(a.N - 16 * (p + q));
-    for (int r = 0; r < MR; ++r) put(a, m + r, 16 * (p + q), acc[r][q], mk);
-  }
-}
+void direct_range(const Args& a, int64_t p0, int64_t p1);
 
-// Panels r.q .. r.q + n - 1 (of one group) widened, read in the order they are stored:
-// S + i * K * 16 holds panel r.q + i as S[k][16], k < K.
+// The direct path's passes for 1 to 8 rows: four panels a pass up to 4 rows, two beyond.
 template <int T>
-void widen_run(const Ref& r, int64_t n, int64_t K, float* S) {
-  using F = Tr<T>;
-  const int64_t nb = K / F::BK;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < F::BK / F::SUB; ++j) {
-      V sc[GROUP], off[GROUP];
-      for (int64_t i = 0; i < n; ++i) scales<T>(head_at(r, b, F::GOFF, i), j, sc[i], off[i]);
-      for (int g = 0; g < F::SUB / 4; ++g) {
-        const int gi = j * (F::SUB / 4) + g;
-        for (int64_t i = 0; i < n; ++i) {
-          const I z = group<T>(group_at(r, b, F::GOFF, F::GB, gi, i));
-          float* s = S + i * K * 16 + 16 * (b * F::BK + 4 * gi);
-          _mm512_storeu_ps(s, _mm512_fmadd_ps(sc[i], quant<T, 0>(z), off[i]));
-          _mm512_storeu_ps(s + 16, _mm512_fmadd_ps(sc[i], quant<T, 1>(z), off[i]));
-          _mm512_storeu_ps(s + 32, _mm512_fmadd_ps(sc[i], quant<T, 2>(z), off[i]));
-          _mm512_storeu_ps(s + 48, _mm512_fmadd_ps(sc[i], quant<T, 3>(z), off[i]));
-        }
-      }
-    }
+bool direct_panels(const Args& a, int64_t p0, int64_t p1) {
+  switch (a.M) {
+    case 1: direct_range<T, 1, 4>(a, p0, p1); return true;
+    case 2: direct_range<T, 2, 4>(a, p0, p1); return true;
+    case 3: direct_range<T, 3, 4>(a, p0, p1); return true;
+    case 4: direct_range<T, 4, 4>(a, p0, p1); return true;
+    case 5: direct_range<T, 5, 2>(a, p0, p1); return true;
+    case 6: direct_range<T, 6, 2>(a, p0, p1); return true;
+    case 7: direct_range<T, 7, 2>(a, p0, p1); return true;
+    case 8: direct_range<T, 8, 2>(a, p0, p1); return true;
+    default: return false;
   }
-}
-
-// MR rows (from m) of one widened panel p.
-template <int MR>
-void rows(const Args& a, int64_t m, int64_t p, const float* S) {
-  V acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const float* x = a.x + m * a.ldx;
-  for (int64_t k = 0; k < a.K; ++k) {
-    const V w = _mm512_loadu_ps(S + 16 * k);
-    for (int r = 0; r < MR; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * a.ldx + k]), w, acc[r]);
-  }
-  const __mmask16 mk = cols_mask(a.N - 16 * p);
-  for (int r = 0; r < MR; ++r) put(a, m + r, 16 * p, acc[r], mk);
 }
 
 constexpr int SCRATCH_ROWS = 8;  // rows per pass over a widened panel (8 FMA chains)
 
-template <int T, int MR, int NP>
-void direct_range(const Args& a, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1;) {
-    const int64_t end = group_end(p, p1);
-    for (; p + NP <= end; p += NP) direct<T, MR, NP>(a, 0, p);
-    for (; p < end; ++p) direct<T, MR, 1>(a, 0, p);
-  }
-}
-
-template <int T>
-void panels(const Args& a, int64_t p0, int64_t p1) {
-  switch (a.M) {
-    case 1: return direct_range<T, 1, 4>(a, p0, p1);
-    case 2: return direct_range<T, 2, 4>(a, p0, p1);
-    case 3: return direct_range<T, 3, 4>(a, p0, p1);
-    case 4: return direct_range<T, 4, 4>(a, p0, p1);
-    case 5: return direct_range<T, 5, 2>(a, p0, p1);
-    case 6: return direct_range<T, 6, 2>(a, p0, p1);
-    case 7: return direct_range<T, 7, 2>(a, p0, p1);
-    case 8: return direct_range<T, 8, 2>(a, p0, p1);
-    default: break;
-  }
-  float* S0 = scratch(GROUP * a.K * 16);
-  for (int64_t m0 = 0; m0 < a.M; m0 += ROW_CHUNK) {
-    const int64_t m1 = a.M - m0 < ROW_CHUNK ? a.M : m0 + ROW_CHUNK;
-    for (int64_t p = p0; p < p1;) {  // a group's panels (or those of this range) at once
-      const int64_t end = group_end(p, p1);
-      widen_run<T>(ref_of(a, p, 16 * Tr<T>::NATIVE), end - p, a.K, S0);
-      for (int64_t q = p; q < end; ++q) {
-        const float* S = S0 + (q - p) * a.K * 16;
-        int64_t m = m0;
-        for (; m + SCRATCH_ROWS <= m1; m += SCRATCH_ROWS) rows<SCRATCH_ROWS>(a, m, q, S);
-        switch (m1 - m) {
-          case 1: rows<1>(a, m, q, S); break;
-          case 2: rows<2>(a, m, q, S); break;
-          case 3: rows<3>(a, m, q, S); break;
-          case 4: rows<4>(a, m, q, S); break;
-          case 5: rows<5>(a, m, q, S); break;
-          case 6: rows<6>(a, m, q, S); break;
-          case 7: rows<7>(a, m, q, S); break;
-          default: break;
-        }
-      }
-      p = end;
-    }
-  }
-}
-
-void dequant_panel(int t, const Ref& r, int64_t K, float* S) {
-  switch (t) {
-    case T_Q8_0: widen_run<T_Q8_0>(r, 1, K, S); break;
-    case T_Q4_0: widen_run<T_Q4_0>(r, 1, K, S); break;
-    case T_Q4_1: widen_run<T_Q4_1>(r, 1, K, S); break;
-    case T_Q4_K: widen_run<T_Q4_K>(r, 1, K, S); break;
-    case T_Q5_K: widen_run<T_Q5_K>(r, 1, K, S); break;
-    case T_Q6_K: widen_run<T_Q6_K>(r, 1, K, S); break;
-  }
-}
+#include "qgemm_exact.inc.cpp"
 
 }  // namespace z512
 }  // namespace
@@ -881,7 +825,7 @@ inline I2 group(const uint8_t* g) {
     const I v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g));
     const I m15 = _mm256_set1_epi8(15);
     I2 z = {_mm256_and_si256(v, m15), _mm256_and_si256(_mm256_srli_epi16(v, 4), m15)};
-    if constexpr (T == T_Q5_K || T == T_Q6_K) {
+    if constexpr (five_bit<T> || T == T_Q6_K) {
       const uint64_t h = rd64(g + 32);
       const I b16 = _mm256_set1_epi8(16);
       z.lo = _mm256_or_si256(z.lo, _mm256_and_si256(bits_to_bytes(uint32_t(h)), b16));
@@ -915,7 +859,11 @@ inline void scales(const uint8_t* p, int j, V2& sc, V2& off) {
     sc = d;
     const V m8 = _mm256_set1_ps(-8.0f);
     off = {_mm256_mul_ps(d.lo, m8), _mm256_mul_ps(d.hi, m8)};
-  } else if constexpr (T == T_Q4_1) {
+  } else if constexpr (T == T_Q5_0) {
+    sc = d;
+    const V m16 = _mm256_set1_ps(-16.0f);
+    off = {_mm256_mul_ps(d.lo, m16), _mm256_mul_ps(d.hi, m16)};
+  } else if constexpr (T == T_Q4_1 || T == T_Q5_1) {
     sc = d;
     off = {h8(p + 32), h8(p + 48)};
   } else if constexpr (T == T_Q4_K || T == T_Q5_K) {
@@ -966,150 +914,45 @@ inline void put(const Args& a, int64_t m, int64_t n, V lo, V hi, int64_t cols) {
   for (int64_t c = 0; c < cols; ++c) put1(a, m, n + c, v[c]);
 }
 
+// 16 columns for qgemm_exact.inc.cpp: two ymm (columns 0-7, 8-15).
+using W = V2;
+using G = I2;
+inline W wzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline W wset1(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+inline W wfma(W a, W b, W c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline W wload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void wstore(float* p, W w) {
+  _mm256_storeu_ps(p, w.lo);
+  _mm256_storeu_ps(p + 8, w.hi);
+}
+template <int T, int t>
+inline W wquant(G z) {
+  return {quant<T, t>(z.lo), quant<T, t>(z.hi)};
+}
+inline void put16(const Args& a, int64_t m, int64_t n, W v, int64_t cols) {
+  put(a, m, n, v.lo, v.hi, cols);
+}
+
 template <int T, int MR, int NP>
-void direct(const Args& a, int64_t m, int64_t p) {
-  using F = Tr<T>;
-  constexpr int BYTES = 16 * F::NATIVE;
-  V acc[MR][NP][2];
-  for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < NP; ++q) acc[r][q][0] = acc[r][q][1] = _mm256_setzero_ps();
-  const float* x = a.x + m * a.ldx;
-  const Ref pr = ref_of(a, p, BYTES);
-  const int64_t nb = a.K / F::BK;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < F::BK / F::SUB; ++j) {
-      V2 sc[NP], off[NP];
-      for (int q = 0; q < NP; ++q) scales<T>(head_at(pr, b, F::GOFF, q), j, sc[q], off[q]);
-      for (int g = 0; g < F::SUB / 4; ++g) {
-        const int gi = j * (F::SUB / 4) + g;
-        const int64_t k = b * F::BK + 4 * gi;
-        I2 z[NP];
-        for (int q = 0; q < NP; ++q) {
-          const uint8_t* gp = group_at(pr, b, F::GOFF, F::GB, gi, q);
-          z[q] = group<T>(gp);
-        }
-        auto step = [&](auto tc) {
-          constexpr int t = decltype(tc)::value;
-          V xb[MR];
-          for (int r = 0; r < MR; ++r) xb[r] = _mm256_set1_ps(x[r * a.ldx + k + t]);
-          for (int q = 0; q < NP; ++q) {
-            const V w0 = _mm256_fmadd_ps(sc[q].lo, quant<T, t>(z[q].lo), off[q].lo);
-            const V w1 = _mm256_fmadd_ps(sc[q].hi, quant<T, t>(z[q].hi), off[q].hi);
-            for (int r = 0; r < MR; ++r) {
-              acc[r][q][0] = _mm256_fmadd_ps(xb[r], w0, acc[r][q][0]);
-              acc[r][q][1] = _mm256_fmadd_ps(xb[r], w1, acc[r][q][1]);
-            }
-          }
-        };
-        step(std::integral_constant<int, 0>());
-        step(std::integral_constant<int, 1>());
-        step(std::integral_constant<int, 2>());
-        step(std::integral_constant<int, 3>());
-      }
-    }
-  }
-  for (int q = 0; q < NP; ++q)
-    for (int r = 0; r < MR; ++r)
-      put(a, m + r, 16 * (p + q), acc[r][q][0], acc[r][q][1], a.N - 16 * (p + q));
-}
+void direct_range(const Args& a, int64_t p0, int64_t p1);
 
+// The direct path's passes for 1 to 4 rows (16 ymm: four panels a pass for 1 or 2 rows).
 template <int T>
-void widen_run(const Ref& r, int64_t n, int64_t K, float* S) {
-  using F = Tr<T>;
-  const int64_t nb = K / F::BK;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < F::BK / F::SUB; ++j) {
-      V2 scs[GROUP], offs[GROUP];
-      for (int64_t i = 0; i < n; ++i) scales<T>(head_at(r, b, F::GOFF, i), j, scs[i], offs[i]);
-      for (int g = 0; g < F::SUB / 4; ++g) {
-       const int gi = j * (F::SUB / 4) + g;
-       for (int64_t i = 0; i < n; ++i) {
-        const V2 sc = scs[i], off = offs[i];
-        const I2 z = group<T>(group_at(r, b, F::GOFF, F::GB, gi, i));
-        float* s = S + i * K * 16 + 16 * (b * F::BK + 4 * gi);
-        auto step = [&](auto tc) {
-          constexpr int t = decltype(tc)::value;
-          _mm256_storeu_ps(s + 16 * t, _mm256_fmadd_ps(sc.lo, quant<T, t>(z.lo), off.lo));
-          _mm256_storeu_ps(s + 16 * t + 8, _mm256_fmadd_ps(sc.hi, quant<T, t>(z.hi), off.hi));
-        };
-        step(std::integral_constant<int, 0>());
-        step(std::integral_constant<int, 1>());
-        step(std::integral_constant<int, 2>());
-        step(std::integral_constant<int, 3>());
-       }
-      }
-    }
+bool direct_panels(const Args& a, int64_t p0, int64_t p1) {
+  switch (a.M) {
+    case 1: direct_range<T, 1, 4>(a, p0, p1); return true;
+    case 2: direct_range<T, 2, 4>(a, p0, p1); return true;
+    case 3: direct_range<T, 3, 2>(a, p0, p1); return true;
+    case 4: direct_range<T, 4, 2>(a, p0, p1); return true;
+    default: return false;
   }
-}
-
-template <int MR>
-void rows(const Args& a, int64_t m, int64_t p, const float* S) {
-  V acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const float* x = a.x + m * a.ldx;
-  for (int64_t k = 0; k < a.K; ++k) {
-    const V w0 = _mm256_loadu_ps(S + 16 * k), w1 = _mm256_loadu_ps(S + 16 * k + 8);
-    for (int r = 0; r < MR; ++r) {
-      const V xb = _mm256_set1_ps(x[r * a.ldx + k]);
-      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) put(a, m + r, 16 * p, acc[r][0], acc[r][1], a.N - 16 * p);
 }
 
 constexpr int SCRATCH_ROWS = 4;  // 8 accumulators of the 16 registers
 
-template <int T, int MR, int NP>
-void direct_range(const Args& a, int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1;) {
-    const int64_t end = group_end(p, p1);
-    for (; p + NP <= end; p += NP) direct<T, MR, NP>(a, 0, p);
-    for (; p < end; ++p) direct<T, MR, 1>(a, 0, p);
-  }
-}
-
-template <int T>
-void panels(const Args& a, int64_t p0, int64_t p1) {
-  switch (a.M) {
-    case 1: return direct_range<T, 1, 4>(a, p0, p1);
-    case 2: return direct_range<T, 2, 4>(a, p0, p1);
-    case 3: return direct_range<T, 3, 2>(a, p0, p1);
-    case 4: return direct_range<T, 4, 2>(a, p0, p1);
-    default: break;
-  }
-  float* S0 = scratch(GROUP * a.K * 16);
-  for (int64_t m0 = 0; m0 < a.M; m0 += ROW_CHUNK) {
-    const int64_t m1 = a.M - m0 < ROW_CHUNK ? a.M : m0 + ROW_CHUNK;
-    for (int64_t p = p0; p < p1;) {  // a group's panels (or those of this range) at once
-      const int64_t end = group_end(p, p1);
-      widen_run<T>(ref_of(a, p, 16 * Tr<T>::NATIVE), end - p, a.K, S0);
-      for (int64_t q = p; q < end; ++q) {
-        const float* S = S0 + (q - p) * a.K * 16;
-        int64_t m = m0;
-        for (; m + SCRATCH_ROWS <= m1; m += SCRATCH_ROWS) rows<SCRATCH_ROWS>(a, m, q, S);
-        switch (m1 - m) {
-          case 1: rows<1>(a, m, q, S); break;
-          case 2: rows<2>(a, m, q, S); break;
-          case 3: rows<3>(a, m, q, S); break;
-          default: break;
-        }
-      }
-      p = end;
-    }
-  }
-}
-
-void dequant_panel(int t, const Ref& r, int64_t K, float* S) {
-  switch (t) {
-    case T_Q8_0: widen_run<T_Q8_0>(r, 1, K, S); break;
-    case T_Q4_0: widen_run<T_Q4_0>(r, 1, K, S); break;
-    case T_Q4_1: widen_run<T_Q4_1>(r, 1, K, S); break;
-    case T_Q4_K: widen_run<T_Q4_K>(r, 1, K, S); break;
-    case T_Q5_K: widen_run<T_Q5_K>(r, 1, K, S); break;
-    case T_Q6_K: widen_run<T_Q6_K>(r, 1, K, S); break;
-  }
-}
+#include "qgemm_exact.inc.cpp"
 
 }  // namespace z256
 }  // namespace
@@ -1145,6 +988,8 @@ PanelFn pick(int isa, int t) {
     case T_Q8_0: return NS::panels<T_Q8_0>;          \
     case T_Q4_0: return NS::panels<T_Q4_0>;          \
     case T_Q4_1: return NS::panels<T_Q4_1>;          \
+    case T_Q5_0: return NS::panels<T_Q5_0>;          \
+    case T_Q5_1: return NS::panels<T_Q5_1>;          \
     case T_Q4_K: return NS::panels<T_Q4_K>;          \
     case T_Q5_K: return NS::panels<T_Q5_K>;          \
     case T_Q6_K: return NS::panels<T_Q6_K>;          \
@@ -1311,9 +1156,9 @@ int cs_qgemm(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uin
 // cs_qgemm_i8: x rounded to int8 per 32 k, integer dot products (llama.cpp's way). Not
 // exact: x's rounding error (up to half a step of max|x| / 127 per element) goes into
 // every output. For a block with scale s (and min term o), one sub-block contributes
-//   y += (s * dx) * float(sum_k q_k * xq_k - c * sum_k xq_k)   (c: 8 for Q4_0, 32 for Q6_K,
-//                                                               128 for Q8_0's biased q)
-//   y += o * (dx * float(sum_k xq_k))                          (Q4_1's m, K-quants' -dmin*m)
+//   y += (s * dx) * float(sum_k q_k * xq_k - c * sum_k xq_k)   (c: 8 for Q4_0, 16 for Q5_0,
+//                                                  32 for Q6_K, 128 for Q8_0's biased q)
+//   y += o * (dx * float(sum_k xq_k))             (Q4_1's and Q5_1's m, K-quants' -dmin*m)
 // in that order, sub-block after sub-block, for every M, thread count and ISA: the integer
 // sums are exact and the float steps the same, so rows again equal one-row products and
 // the paths agree bit for bit.
@@ -1365,8 +1210,10 @@ struct ArgsI8 {
 };
 
 // The constant c of the formula above (per type) and whether a min term exists.
-constexpr int i8_bias(int t) { return t == T_Q8_0 ? 128 : t == T_Q4_0 ? 8 : t == T_Q6_K ? 32 : 0; }
-constexpr bool i8_min(int t) { return t == T_Q4_1 || t == T_Q4_K || t == T_Q5_K; }
+constexpr int i8_bias(int t) {
+  return t == T_Q8_0 ? 128 : t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q6_K ? 32 : 0;
+}
+constexpr bool i8_min(int t) { return has_min(t); }
 
 void panels_i8_scalar(const ArgsI8& ai, int64_t p0, int64_t p1) {
   const Args& a = ai.a;
@@ -1791,12 +1638,12 @@ void quantize_blocks(const float* x, int64_t K, int64_t ldx, Xq& o, int64_t b0, 
 }
 
 // Groups of four k whose vpmaddubsw pair sums are added in 16 bits before widening to
-// 32: a pair sum is at most 2 * qmax * 127 (qmax 15 for the 4-bit quants, 31 Q5_K, 63
+// 32: a pair sum is at most 2 * qmax * 127 (qmax 15 for the 4-bit quants, 31 the 5-bit, 63
 // Q6_K, 128 Q8_0's |q|), so 8, 4, 2 and 1 of them stay below 2^15. The sums are exact
 // integers either way; only the instruction count changes.
 template <int T>
 constexpr int acc16() {
-  return T == T_Q8_0 ? 1 : T == T_Q6_K ? 2 : T == T_Q5_K ? 4 : 8;
+  return T == T_Q8_0 ? 1 : T == T_Q6_K ? 2 : five_bit<T> ? 4 : 8;
 }
 
 // acc += the 16 pair sums (16 bits) of four products per 32-bit lane, u8 quants z times
@@ -2014,6 +1861,8 @@ PanelFnI8 pick_i8(int isa, int t) {
     case T_Q8_0: return NS::panels<T_Q8_0>;          \
     case T_Q4_0: return NS::panels<T_Q4_0>;          \
     case T_Q4_1: return NS::panels<T_Q4_1>;          \
+    case T_Q5_0: return NS::panels<T_Q5_0>;          \
+    case T_Q5_1: return NS::panels<T_Q5_1>;          \
     case T_Q4_K: return NS::panels<T_Q4_K>;          \
     case T_Q5_K: return NS::panels<T_Q5_K>;          \
     case T_Q6_K: return NS::panels<T_Q6_K>;          \
