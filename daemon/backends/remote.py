@@ -35,7 +35,7 @@ from codespec.daemon.engine import models
 from codespec.daemon.engine.engine import GenParams, Stats, Step
 from codespec.daemon.engine.loading import ModelLoadError, one_line, resolve_model_path
 from codespec.daemon.engine.tokenizer import load as load_tokenizer
-from codespec.daemon.prompts.fim import FimTokens, find_fim, stop_token_ids
+from codespec.daemon.text.specials import FimTokens, find_fim, stop_token_ids
 
 log = logging.getLogger("codespec.daemon")
 

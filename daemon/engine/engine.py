@@ -40,7 +40,7 @@ from codespec.daemon.engine.loading import (
 from codespec.daemon.engine.slots import CacheSlots
 from codespec.daemon.engine.target import ModelTarget
 from codespec.daemon.engine.tokenizer import load as load_tokenizer
-from codespec.daemon.prompts.fim import FimTokens, find_fim, stop_token_ids
+from codespec.daemon.text.specials import FimTokens, find_fim, stop_token_ids
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 from codespec.speculators.verify import verify
 

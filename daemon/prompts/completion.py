@@ -18,6 +18,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+from codespec.daemon.errors import BAD_PARAMS, ProtocolError
 from codespec.daemon.prompts import crossfile, fim
 from codespec.daemon.prompts.edit import (  # noqa: F401 (the edit side, importable from here)
     EDIT_DRAFT,
@@ -37,7 +38,6 @@ from codespec.daemon.prompts.parts import (
     next_lines,
     window_prefix,
 )
-from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError
 from codespec.daemon.text import healing
 from codespec.daemon.text.healing import heal_prompt
 from codespec.daemon.text.prefix_tokens import prefix_encoder

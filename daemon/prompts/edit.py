@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from codespec.daemon.errors import BAD_PARAMS, ProtocolError
 from codespec.daemon.prompts.fim import fim_prompt
 from codespec.daemon.prompts.parts import (
     CHARS_PER_TOKEN_CAP,
@@ -22,7 +23,6 @@ from codespec.daemon.prompts.parts import (
     next_lines,
     window_prefix,
 )
-from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError
 from codespec.daemon.text import healing
 from codespec.daemon.text.healing import heal_prompt
 from codespec.daemon.text.tracker import TextTracker, region_shape
