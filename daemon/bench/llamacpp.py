@@ -496,10 +496,13 @@ def generated(stdout: str, prompt: str = "") -> str:
     return text.removesuffix("\n\n")
 
 
-def run_bench(llama: LlamaCpp, gguf: Path, depths: str, gen: int, opts: Options) -> list[dict]:
-    """``llama-bench -p 0 -n gen -d depths``: plain decode speed at each depth."""
+def run_bench(
+    llama: LlamaCpp, gguf: Path, depths: str, gen: int, opts: Options, prompt: int = 0
+) -> list[dict]:
+    """``llama-bench -p prompt -n gen -d depths``: plain decode speed at each depth (and
+    prefill speed of ``prompt`` tokens, a record of its own, when it is not 0)."""
     assert llama.bench is not None
-    cmd = [str(llama.bench), "-m", str(gguf), "-p", "0", "-n", str(gen), "-d", depths,
+    cmd = [str(llama.bench), "-m", str(gguf), "-p", str(prompt), "-n", str(gen), "-d", depths,
            "-t", str(opts.threads), "-o", "json"]  # fmt: skip
     say_stderr(" ".join(["llama-bench", *cmd[1:]]))
     stdout, _ = run_binary(cmd, opts.timeout)

@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true", help="build llama.cpp again")
     p.add_argument("--bench-depths", default="0,1000", help="llama-bench's -d ('' skips it)")
     p.add_argument("--bench-gen", type=int, default=64, help="llama-bench's -n")
+    p.add_argument("--bench-prompt", type=int, default=512,
+                   help="llama-bench's -p: prefill of that many tokens (0: none)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600, help="seconds per llama.cpp run")
     return p
 
@@ -293,7 +295,8 @@ def _llama_bench(llama: LlamaCpp | None, gguf: Path | None, args) -> list[dict[s
     if llama is None or gguf is None or llama.bench is None or not args.bench_depths:
         return []
     try:
-        return llamacpp.run_bench(llama, gguf, args.bench_depths, args.bench_gen, options(args))
+        return llamacpp.run_bench(llama, gguf, args.bench_depths, args.bench_gen, options(args),
+                                  args.bench_prompt)  # fmt: skip
     except LlamaFailed as exc:
         print(f"llama-bench skipped: {exc}", file=sys.stderr, flush=True)
         return []
@@ -369,8 +372,9 @@ def print_table(rows: list[dict[str, Any]], engine, args: argparse.Namespace,
         print("leading tokens equal to codespec off's output (mean a prompt): " + "  ".join(agree))
         print("(= off for llama-lookup: prompts whose text equals llama.cpp plain's)")
     for b in bench:
-        print(f"llama-bench decode depth {b['depth']:>5}: {b['tokens_per_s']:.1f} ± "
-              f"{b['stddev']:.1f} tok/s ({b['gen']} tokens)")  # fmt: skip
+        what = f"prefill pp{b['prompt']}" if b["prompt"] else f"decode tg{b['gen']}"
+        print(f"llama-bench {what} depth {b['depth']:>5}: {b['tokens_per_s']:.1f} ± "
+              f"{b['stddev']:.1f} tok/s")  # fmt: skip
     if skipped:
         print(skip_line(skipped))
     info = None
