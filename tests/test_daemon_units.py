@@ -274,8 +274,11 @@ def test_the_saved_index_is_loaded_at_start_and_a_corrupt_one_is_left_out(engine
     uri = "file:///kept.py"
     srv = ServerThread(config, engine)
     try:
+        # the editor is still connected when the daemon stops: a connection that closed
+        # first would have released (closed and unindexed) the document it opened
         with Client(srv.socket_path) as c:
             c.request("open", {"uri": uri, "text": "def kept(a, b):\n    return a + b\n"})
+            srv.stop()
     finally:
         srv.stop()
     saved = tmp_path / "state" / "index.msgpack"
