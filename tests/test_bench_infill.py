@@ -39,3 +39,18 @@ def test_extra_chunks_are_the_middle_lines_of_the_first_documents():
 
 def test_first_line_skips_leading_newlines_and_trailing_space():
     assert first_line("\n  return x  \n    y") == "  return x"
+
+
+def test_both_servers_see_the_same_window_of_the_file():
+    """codespec opens exactly the text llama-server gets: n_prefix lines before the
+    cursor's line, that line up to the cursor, then at most n_suffix lines after."""
+    import argparse
+
+    from codespec.daemon.bench.infill import window
+
+    item = {
+        "prefix": "".join(f"a{i}\n" for i in range(10)) + "x = ",
+        "suffix": "1\n" + "".join(f"b{i}\n" for i in range(10)),
+    }
+    before, line, suffix = window(item, argparse.Namespace(n_prefix=2, n_suffix=3))
+    assert (before, line, suffix) == ("a8\na9\n", "x = ", "1\nb0\nb1")

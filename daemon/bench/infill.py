@@ -8,8 +8,12 @@ serve`` (its socket) and ``llama-server`` (built once with the other llama.cpp p
 workloads, in turn, the order of the two alternating, each server is asked once (the
 first request at that spot: nothing replays an earlier identical request):
 
-- codespec: the item's documents and the file itself are opened, then ``complete`` at
-  the cursor (``multiline``, greedy, ``--max-tokens``, the daemon's default speculation);
+- codespec: the same text llama-server gets (the ``--n-prefix`` lines before the cursor's
+  line, the cursor's line, the ``--n-suffix`` lines after) is opened as the file, then
+  ``complete`` at the cursor (``multiline``, greedy, ``--max-tokens``, the daemon's
+  default speculation). The daemon runs with ``warm_after_s = 0``: no prefill on open
+  that llama-server has no counterpart of. The item's other documents are opened only
+  with ``--extra`` (llama-server then gets chunks of them as ``input_extra``);
 - llama-server: ``POST /infill`` with ``input_prefix`` (the lines before the cursor's
   line, at most ``--n-prefix`` lines, as llama.vim sends them), ``prompt`` (the cursor's
   line up to the cursor), ``input_suffix`` (the rest, at most ``--n-suffix`` lines),
@@ -32,6 +36,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -145,8 +150,7 @@ def extra_chunks(docs: list[dict[str, Any]], count: int, lines: int = 64) -> lis
 
 
 def ask_infill(url: str, item: dict[str, Any], args: argparse.Namespace) -> tuple[float, str, int]:
-    before, line = split_cursor(item["prefix"], args.n_prefix)
-    suffix = "\n".join(item.get("suffix", "").split("\n")[: args.n_suffix])
+    before, line, suffix = window(item, args)
     body = {"input_prefix": before, "prompt": line, "input_suffix": suffix,
             "input_extra": extra_chunks(item.get("documents") or [], args.extra),
             "n_predict": args.max_tokens, "temperature": 0.0, "top_k": 1,
@@ -160,14 +164,24 @@ def ask_infill(url: str, item: dict[str, Any], args: argparse.Namespace) -> tupl
     return ms, str(reply.get("content", "")), int(reply.get("tokens_predicted", 0))
 
 
+def window(item: dict[str, Any], args: argparse.Namespace) -> tuple[str, str, str]:
+    """The text both servers see: (lines before the cursor's line, the cursor's line up
+    to the cursor, the text after it, at most ``--n-suffix`` lines)."""
+    before, line = split_cursor(item["prefix"], args.n_prefix)
+    suffix = "\n".join(item.get("suffix", "").split("\n")[: args.n_suffix])
+    return before, line, suffix
+
+
 def ask_codespec(c: Client, item: dict[str, Any], n: int, args) -> tuple[float, str, int]:
     uri = f"file:///bench/infill/{n}/" + str(item.get("uri", "x.py")).rpartition("/")[2]
-    for d in item.get("documents") or []:
-        c.request("open", {"uri": f"file:///bench/infill/{n}/d/" + str(d["uri"]).rpartition(
-            "/")[2], "text": d["text"]})  # fmt: skip
-    c.request("open", {"uri": uri, "text": item["prefix"] + item.get("suffix", "")})
-    line = item["prefix"].count("\n")
-    col = len(item["prefix"].rpartition("\n")[2].encode("utf-16-le")) // 2
+    if args.extra:
+        for d in item.get("documents") or []:
+            c.request("open", {"uri": f"file:///bench/infill/{n}/d/" + str(
+                d["uri"]).rpartition("/")[2], "text": d["text"]})  # fmt: skip
+    before, cursor_line, suffix = window(item, args)
+    c.request("open", {"uri": uri, "text": before + cursor_line + suffix})
+    line = before.count("\n")
+    col = len(cursor_line.encode("utf-16-le")) // 2
     params = {"uri": uri, "position": {"line": line, "character": col}, "multiline": True,
               "max_tokens": args.max_tokens, "temperature": 0.0}  # fmt: skip
     if args.speculation:
@@ -204,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     if llama.server is None:
         print("codespec bench infill: this llama.cpp build has no llama-server", file=sys.stderr)
         return 1
-    extra = ["--model", args.model] if args.model else []
+    conf = Path(tempfile.mkdtemp(prefix="codespec-infill-")) / "config.toml"
+    conf.write_text("[completion]\nwarm_after_s = 0\n", encoding="utf-8")
+    extra = ["--config", str(conf)] + (["--model", args.model] if args.model else [])
     proc, sock, tmp = start_daemon(args.threads, extra)
     sides = {CODESPEC: Side(), LLAMA_SERVER: Side()}
     try:
@@ -229,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=20)
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(conf.parent, ignore_errors=True)
     report(sides, items, args, llama.version, gguf)
     return 0
 
