@@ -12,9 +12,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 # OpenMP threads that wait at a barrier sleep instead of spinning, unless the user chose
 # otherwise. Read by libgomp when torch loads it, so it is set before anything imports
-# torch. Measured (`codespec bench runner --threads 2`) with the two cores busy with other
-# work: a decode step took 94 ms spinning and 26 ms sleeping (one thread: 20 ms); a waiter
-# that spins holds the core the thread it waits for needs.
+# torch. With the cores busy with other work, threads that spin make a decode step
+# several times slower than threads that sleep (`codespec bench runner --threads 2`): a
+# waiter that spins holds the core the thread it waits for needs.
 # Programs codespec starts that are not codespec (the llama.cpp peers of the benchmarks)
 # get the environment without it (see child_env): the setting is codespec's, not theirs.
 OMP_WAIT_POLICY_OURS = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
@@ -25,8 +25,8 @@ if OMP_WAIT_POLICY_OURS:
 def child_env() -> dict[str, str]:
     """The environment for another program: os.environ without what codespec itself set
     in it (OMP_WAIT_POLICY, where the user had not chosen one). llama.cpp's OpenMP threads
-    inherited it and slept at every barrier: 3.5x slower decoding than the same binary
-    started from a shell (48 against 179 tokens/s at depth 0, 2 threads, Zen 5)."""
+    would inherit it and sleep at every barrier, decoding several times slower than the
+    same binary started from a shell."""
     env = dict(os.environ)
     if OMP_WAIT_POLICY_OURS and env.get("OMP_WAIT_POLICY") == "PASSIVE":
         del env["OMP_WAIT_POLICY"]

@@ -251,7 +251,7 @@ def _exited(pid: int) -> bool:
     """Whether process ``pid`` has exited (gone, or a zombie its parent has not reaped)."""
     try:
         os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):  # PermissionError: another user's pid now
+    except (ProcessLookupError, PermissionError):  # PermissionError: the pid went to another user
         return True
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as fh:

@@ -88,17 +88,17 @@ class Limits(_Section):
     max_documents: AtLeast1 = 512
     max_document_chars: AtLeast1 = 4_000_000
     # Prompt tokens a completion carries at most (prefix + suffix): each first keystroke
-    # at a new spot prefills this much (the first, retired default was trained on 1,024).
+    # at a new spot prefills this much.
     context_tokens: Annotated[int, Meta(ge=64)] = 1024
     # KV caches the engine keeps, one per recent prompt (the active one and idle ones), so
     # that requests on other documents do not evict each other's prefixes. A cache's
     # memory is what its cached tokens fill (23 KB a token for SmolLM2-135M; the
-    # rest of its 8,192 tokens stays unmapped zero pages: qstack.cache), ~25-50 MB for a
-    # completion's prompt; so 8 by default (4 when every cache took ~190 MB): switching
-    # among up to 8 files keeps each one's prefix (a cold 1,000-token prefill is ~2.5 s on
-    # 2 cores). bench latency's 8-client throughput (8 clients, 8 prompts) did not tell
-    # 4 from 8 apart: off / auto 68.8 / 74.3 tokens/s with 4, 61.8 / 70.2 with 8, one
-    # after the other on 2026-12-02 (the machine's noise is larger than the difference).
+    # rest of its 8,192 tokens stays unmapped zero pages: qstack.cache), so a cache that
+    # holds a completion's prompt is small and 8 are kept by default: switching among up
+    # to 8 files keeps each one's prefix, where a cold prefill of a long prompt would make
+    # the first keystroke there wait. bench latency's 8-client throughput does not tell 4
+    # slots from 8 apart (the machine's noise is larger than the difference; the figures
+    # are in BENCHMARKS.md).
     kv_slots: AtLeast1 = 8
 
 
@@ -107,10 +107,10 @@ class Speculation(_Section):
     max_draft: AtLeast1 = 16
     # Requests run one at a time on the one KV cache: a verify forward serves only its own
     # request, so speculating under load takes nothing from the others and ends each turn's
-    # tokens sooner. Measured at 8 concurrent clients (bench latency's throughput, two
-    # alternating rounds): full drafts 1.17x plain decoding's tokens/s, speculation off at
-    # 4 active (the earlier default) 1.07x. Beyond 8 unmeasured: drafts halve from 9, and
-    # speculation stops at the default queue's limit.
+    # tokens sooner. At 8 concurrent clients (bench latency's throughput, alternating
+    # rounds) full drafts give more tokens/s than plain decoding, and more than switching
+    # speculation off at 4 active requests does. Beyond 8 unmeasured: drafts halve from 9,
+    # and speculation stops at the default queue's limit.
     shorten_at: AtLeast1 = 9
     off_at: AtLeast1 = 32
     quantum_steps: AtLeast1 = 8
@@ -131,8 +131,8 @@ class Speculation(_Section):
 class Completion(_Section):
     # What a completion's prompt carries besides the prefix: "none", "header" (the file
     # under a <file_sep>path line) or "crossfile" (snippets of the other open files
-    # first). "none" by default: with SmolLM2-135M neither raised the first-line exact
-    # match (codespec bench quality; README, "Completion quality").
+    # first). "none" by default: with SmolLM2-135M neither raises the first-line exact
+    # match (codespec bench quality; BENCHMARKS.md, "Completion quality").
     context: Literal["none", "header", "crossfile"] = "none"
     # After an open, and after this long without a change to a document, the daemon
     # pre-fills the prompt a completion at the last edit would use (0: never). Longer

@@ -288,7 +288,7 @@ class NgramIndex:
     def compact(self) -> None:
         """Rebuild the frozen segment from every document except the current one.
 
-        Costs a sort of all indexed tokens (~0.1 s per million); lookups call it
+        Costs a sort of all indexed tokens (too slow for every edit); lookups call it
         when too many documents are loose, the daemon may call it when idle.
         """
         cur = self._docs.get(self._current) if self._current else None

@@ -57,7 +57,7 @@ def extend_matches(
     ``m[i]`` is the largest ``m <= min(max_n, len(suffix))`` with
     ``seq[ends[i] - m + 1 : ends[i] + 1] == suffix[-m:]``. ``SEP`` entries and
     the start of ``seq`` stop a match. All the comparisons at once, a handful of numpy
-    calls whatever ``max_n`` (a loop over the lengths took ~5 a length).
+    calls whatever ``max_n`` (a loop over the lengths would make several a length).
 
     >>> seq = np.array([7, 1, 2, 3, SEP, 9, 2, 3])
     >>> extend_matches(seq, np.array([3, 7]), np.array([5, 1, 2, 3]), 2, 8).tolist()
@@ -98,9 +98,9 @@ def segment_hits(
 ) -> Hits | None:
     """The live segment documents' occurrences of ``key`` (binary search); ``current``: the
     current document's slot in the segment (-1: not there). Tiers and recency come from
-    the segment's per-document arrays, read at the occurrences' slots (asked of each
-    document hit, a lookup over 2,298 documents took p50 578 us; of each document once
-    per lookup through ``np.unique``, still two calls of ~15 us)."""
+    the segment's per-document arrays, read at the occurrences' slots (asking each
+    document hit costs a call per hit over many documents, and asking each document once
+    per lookup through ``np.unique`` still costs two more calls)."""
     lo = int(np.searchsorted(seg.skeys, key, side="left"))
     hi = int(np.searchsorted(seg.skeys, key, side="right"))
     if hi <= lo:
@@ -187,7 +187,8 @@ def continuations(reads: list[Read], k: int) -> tuple[dict[tuple[int, ...], int]
 def _windows(reads: list[Read], k: int) -> list[list[int]]:
     """Each read's ``arr[p + 1 : p + 1 + k]`` cut before its first ``SEP``, as a list: one
     gather per array read from (the segment, a loose document), not a slice and a scan a
-    read (64 of them a lookup at most; they were most of a lookup's time)."""
+    read (64 of them a lookup at most: one slice and scan each would be most of a
+    lookup's time)."""
     out: list[list[int]] = [[] for _ in reads]
     by_arr: dict[int, list[int]] = {}
     for i, r in enumerate(reads):

@@ -11,9 +11,9 @@ Must not touch: the index's state (it reads the arrays it is handed), models, th
 numpy path is also the fallback where the library cannot be built.
 
 Why: in a speculative step a lookup runs right after a forward that streamed the weights
-through every cache; there the numpy path's ~80 small calls took 0.3-0.5 ms of a step of
-~8, its arithmetic being microseconds. Its glue here is kept as small: no numpy call and
-no ``ndarray.ctypes`` conversion per lookup.
+through every cache; there the numpy path's many small calls run cold and cost a
+noticeable part of the step, its arithmetic being microseconds. Its glue here is kept as
+small: no numpy call and no ``ndarray.ctypes`` conversion per lookup.
 """
 
 from __future__ import annotations

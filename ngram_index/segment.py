@@ -93,7 +93,7 @@ class Segment:
             start = int(self.doc_start[slot])
             d.tokens = self.cat[start : start + d.tokens.shape[0]]
             d.keys = None
-            d.native = None  # its loose arrays, no longer read (nor kept alive)
+            d.native = None  # its loose arrays: not read from here on (nor kept alive)
             d.slot = slot
 
     def live_tokens(self) -> int:

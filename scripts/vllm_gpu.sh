@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# scripts/vllm_gpu.sh — the daemon on a vLLM server on a GPU (prepared for a lent GPU; it
-# has not run here: no GPU on the development machine).
+# scripts/vllm_gpu.sh — the daemon on a vLLM server on a GPU (for a machine with a GPU;
+# untested on one).
 #
 # For the default code model (CODESPEC_MODEL, default qwen2.5-coder-0.5b) and then for
 # smollm2-135m (the model whose EAGLE-3 head ships in speculators/heads/), for each of the

@@ -58,8 +58,8 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 # Chains of up to this many new entries (a drafting step's forward over the accepted rows)
 # go to the kernels' chain attention where there is one; longer ones (a request's first
-# forward over the prompt's window) and trees to SDPA. A two-row chain through SDPA and
-# its mask took ~0.1 ms of a ~1.2 ms drafting step, cold after a target forward (Zen 4).
+# forward over the prompt's window) and trees to SDPA. A short chain through SDPA and its
+# mask costs a noticeable part of a drafting step, run cold after a target forward.
 KERNEL_CHAIN = 8
 
 

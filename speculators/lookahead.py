@@ -62,14 +62,14 @@ step (fewer columns); columns left out are not updated. Which nodes are worth
 verifying is the policy's call (it keeps the part of the draft that pays, from
 acceptance it measured per source and depth): window nodes it leaves out are
 not updated either, the levels only slide. On a CPU, where every verified row
-costs about a tenth of a plain step and the window's own acceptance is near
+adds a noticeable part of a plain step's cost and the window's own acceptance is near
 zero, that leaves mostly the pool.
 
 Defaults (W = 2, N = 4, G = 2) from ``codespec bench lookahead
-/tmp/wl/novel.jsonl --threads 1 --grid ...`` on the embedded model (2-core CPU)
-with the cpu_gemm kernels, empty pools for every decode: 2,4,2 gave 1.20x vs
-off, the earlier default 4,6,2 1.08x (fewer forwards, but each verify larger),
-one window column 1.23x, the pool alone (W = 0) 1.25x.
+/tmp/wl/novel.jsonl --threads 1 --grid ...`` on a small model (2-core CPU) with the
+cpu_gemm kernels, empty pools for every decode: a narrow window decodes faster than a
+wide one such as 4,6,2 (fewer forwards, but each verify larger), and one window column,
+or the pool alone (W = 0), does about as well as 2,4,2.
 """
 
 from __future__ import annotations

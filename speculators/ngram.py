@@ -263,9 +263,9 @@ class NgramProposer:
             return self.max_n, [pred.seq[start : start + budget]]
         # The text follows the prediction in order: where the tail's occurrence should end
         # now is where the last one used ended, moved on by what was written since. Of the
-        # occurrences that match as long, the nearest to it is drafted first (a line that
-        # recurs in the prediction otherwise sent the draft to its last occurrence: a
-        # 32-token draft rejected at its first token, on an exact prediction).
+        # occurrences that match as long, the nearest to it is drafted first (else a line
+        # that recurs in the prediction would send the draft to its last occurrence, and a
+        # long draft would be rejected at its first token, even on an exact prediction).
         near = None
         if self._anchor is not None:
             near = self._anchor[0] + len(context) - self._anchor[1]

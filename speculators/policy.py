@@ -23,9 +23,9 @@ Each step:
 1. *Cheap* proposers (own time, at the draft size they offer, at most :data:`CHEAP` of
    a plain step, or not measured yet: the n-gram proposer, lookahead) are asked in
    order, unless backing off, until one offers :data:`ENOUGH` expected tokens (asking
-   lookahead too on a step the n-gram draft already fills cost auto ~8% of its decode
-   time; at 2 tokens auto was at 89-96% of ngram's decode speed on edit and novel
-   code, at 1 at 93-106%). Drafts asked for and not verified are counted against the
+   lookahead too on a step the n-gram draft already fills costs auto decode time for
+   nothing; with ENOUGH at 1 auto keeps about ngram's decode speed on edit and novel
+   code, at 2 it falls behind). Drafts asked for and not verified are counted against the
    tokens the step produced (see ``_shadow``).
    Each draft is cut to the nodes worth verifying: likeliest first, as many as
    give the most ``(1 + expected accepted) / (forward(1 + nodes) + rest)``
@@ -44,7 +44,7 @@ Each step:
    for 1, 2, 4 ... :data:`MOST_SKIPPED` steps; one accepted token resets it. A
    draft verified and rejected does not back its proposer off: its acceptance
    figures fall and the next cut prices them (skipping the steps after a miss
-   cost edits ~5% of their decode speed: a copy resynchronises right after one).
+   would slow edits down: a copy resynchronises right after one).
 
 Temperature: figures are kept per temperature class (``book.py``); a sampled
 class with nothing measured yet starts from greedy's figures (or the prior)
@@ -269,10 +269,10 @@ class Controller:
         the one verified learns the nodes past its cut that the bonus token decides. So a
         source whose first drafts of a request were rejected (an edit's first changed
         line) wins its steps back once the text follows it again, and a chain that is
-        accepted whole is tried one node deeper the next step (before: 3-token drafts of
-        the old region, accepted whole, for ~20-60 steps of an edit that drafts of 64
-        did in a few). One that would have had a token accepted is no longer backed
-        off."""
+        accepted whole is tried one node deeper the next step (else short drafts of the
+        old region, accepted whole, would stay short for many steps of an edit that long
+        drafts finish in a few). One that would have had a token accepted ends its
+        back-off."""
         if not result.tokens:
             return
         for offer in self._cheap_offers:
@@ -308,8 +308,8 @@ class Controller:
             own = self.store.own.get(child.name)
             # at the size it offers, not the line's extrapolation to the whole budget: an
             # n-gram draft's time grows with its nodes, and one slow ask early in a
-            # request priced a 64-node budget over CHEAP; costly, the proposer was judged
-            # by its first steps' speed and retired for the whole edit
+            # request would price a 64-node budget over CHEAP; costly, the proposer would
+            # be judged by its first steps' speed and retired for the whole edit
             if (
                 own is None
                 or not own.measured
@@ -372,9 +372,9 @@ class Controller:
     def _close_step(self, now: float) -> None:
         """Credit the step that just ended (propose to propose): the rest of a step, and
         the tokens and ms to whoever was in charge; a proposer's catching up after steps
-        it was not asked counts for neither (a switching cost: in a trial's few steps it
-        priced EAGLE, drafting at 1.02-1.05x of plain decoding's speed, far below it, and
-        retired it)."""
+        it was not asked counts for neither (a switching cost: counted in a trial's few
+        steps, it would price EAGLE, which drafts a little faster than plain decoding, far
+        below it, and retire it)."""
         if not self._t_step or not self._tokens:
             return
         ms = (now - self._t_step) * 1000 - self._switch
@@ -465,7 +465,7 @@ class Controller:
             speed = None if name in self.store.returning else self._speed(name)
             if speed is not None and speed < CLOSE * best_value:
                 self.store.retire(name, FIRST_PAUSE, MAX_PAUSE)
-                del self.children[name]  # no longer kept in step this request either
+                del self.children[name]  # not kept in step for the rest of this request either
                 continue
             gap = self._gap(name)
             if speed is None or gap.due(steps):

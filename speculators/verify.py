@@ -30,9 +30,9 @@ from codespec.speculators.draft import Draft
 
 # The nucleus is looked for among the likeliest tokens first (partial sorts of these
 # many); only rows whose likeliest NUCLEUS_FIRST[-1] tokens hold less than ``top_p`` are
-# sorted whole. A full sort of a 49,152-token row took 4.5 ms on a Zen 4 core, the first
-# partial one ~0.5 ms; at temperature 0.8 the model's likeliest 1,024 tokens held 0.9999
-# of the mass (a textwrap.py prompt), at 1.5 0.88.
+# sorted whole. A full sort of a vocabulary's row costs many times the first partial
+# one, and at temperature 0.8 the likeliest 1,024 tokens hold nearly all of a code
+# model's mass (at 1.5 clearly less).
 NUCLEUS_FIRST = (1024, 8192)
 
 
@@ -67,9 +67,9 @@ def _likeliest(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.T
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token drawn from ``probs`` (``(V,)``, non-negative, not all zero): inverse
     transform sampling, one uniform draw against the float64 running sum. A token of
-    probability 0 is never drawn. (``torch.multinomial`` took ~1.2 ms a draw over a
-    49,152-token row on a Zen 4 core, this ~0.1 ms: a sampled step's largest cost after
-    the forward.)"""
+    probability 0 is never drawn. (``torch.multinomial`` costs many times as much a draw
+    over a large vocabulary, where it would be a sampled step's largest cost after the
+    forward.)"""
     cdf = probs.double().cumsum(0)
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
     i = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64),

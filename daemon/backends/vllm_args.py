@@ -23,7 +23,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # fmt: skip
 EAGLE_TOKENS = 3  # draft length for the head (its measured acceptance falls with depth)
 SPECULATION = ("auto", "ngram", "eagle", "off")
-# vLLM-CPU's settings that made the server run on a 2-core machine (FACTS.md)
+# vLLM-CPU's settings that let the server run on a 2-core machine (FACTS.md)
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
@@ -78,7 +78,7 @@ def server_command(
         "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
     ]  # fmt: skip
     if cpu:
-        argv.append("--enforce-eager")  # ready in ~25 s instead of 60-120 s compiled
+        argv.append("--enforce-eager")  # no graph compiling: the server is ready far sooner
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     return argv

@@ -61,7 +61,7 @@ def start_daemon(threads: int, extra: list[str]) -> tuple[subprocess.Popen, str,
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), XDG_CACHE_HOME=tmp, CODESPEC_SOCKET=sock)
     env.setdefault("CODESPEC_MODELS", str(models_root()))  # the cached model, not a new fetch
     # the kernels built here, not compiled again into the fresh state dir (a first lookup
-    # compiling the index's library was ~0.5 s of the first completion)
+    # compiling the index's library would slow the first completion)
     env.setdefault("CODESPEC_KERNEL_DIR", str(kernel_dir()))
     proc = subprocess.Popen(
         [sys.executable, "-m", "codespec.daemon.cli", "serve", "--socket", sock, *extra],

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"codespec bench peers: {llamacpp.one_line(exc)}", file=sys.stderr)
         return 2
     llama, gguf, skipped = find_llama(args)
-    if skipped:  # now on stderr (the bench runs for minutes), in the table at the end
+    if skipped:  # at once on stderr (the bench runs for minutes), in the table at the end
         print(skip_line(skipped), file=sys.stderr, flush=True)
     engine = open_engine(args)
     stop_ids = engine.stop_ids

@@ -8,13 +8,13 @@ Runners over the same model (``--runners``, those that apply):
   not bit-equal to ``gguf``) and the attention ``lean.attention_for`` picks (bf16 where
   the CPU has AVX512-BF16): what the engine loads on a CPU with AVX2 or AVX-512 VNNI for a
   model made from a GGUF;
-- ``gguf-i8-fp32att``: ``gguf-i8`` with fp32 attention over an fp16 cache (what it ran
-  before bf16 attention), for comparisons;
+- ``gguf-i8-fp32att``: ``gguf-i8`` with fp32 attention over an fp16 cache (the attention
+  of a CPU without AVX512-BF16), for comparisons;
 - ``gguf-i8-panels``: ``gguf-i8`` with every forward's layers shared out between the
-  threads by each product's panels (``CODESPEC_ROW_SPLIT=0``; what it ran before
-  forwards of 8 tokens or more went by tokens), for comparisons;
+  threads by each product's panels (``CODESPEC_ROW_SPLIT=0``; by default forwards of 8
+  tokens or more are shared out by tokens), for comparisons;
 - ``fp16``: the lean runner on the folder's safetensors as 16-bit ``cpu_gemm`` panels
-  (the engine's runner before GGUF blocks; an fp32 checkpoint keeps fp32 panels);
+  (the runner of a safetensors checkpoint; an fp32 checkpoint keeps fp32 panels);
 - ``torch-int8`` / ``torch-int4``: the lean runner's torch path with every matrix through
   torch's weight-only CPU kernels (``aten._weight_int8pack_mm``, int8 per output channel;
   ``aten._weight_int4pack_mm_for_cpu``, int4 in groups of 32), fp32 cache, SDPA.

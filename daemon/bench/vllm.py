@@ -195,7 +195,7 @@ def clients(
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    time.sleep(2.0)  # a closed stream is freed on the server within ~1.5 s
+    time.sleep(2.0)  # longer than the server takes to free a closed stream
     with Client(sock) as c:
         s = c.request("stats")
     metrics = api.get_text("/metrics")

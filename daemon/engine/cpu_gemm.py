@@ -2,7 +2,7 @@
 
 Three kernels: :func:`mm` (products of a few rows with packed weights), :func:`attention`
 (a decode step's grouped-query attention over the KV cache, reading it once) and
-:func:`rms_norm` (torch's costs ~20 µs of dispatch per call for one row here).
+:func:`rms_norm` (torch's spends more on dispatch than on one row's arithmetic).
 
 Owns when that kernel is built (once per machine, with the system C++ compiler, into
 :func:`.native.kernel_dir`; :mod:`.native` builds and loads it), the packed weight layout it
@@ -14,7 +14,7 @@ Why it exists: on this project's CPUs (AMD EPYC, torch's MKL, fp32) a product wi
 2 to 8 rows costs MKL about that many times a one-row product, so verifying a
 draft of k tokens costs nearly k decode steps and speculation cannot pay. The
 kernel reads each weight panel once for up to four rows and so costs about one
-row's time for M <= 4 (see the measurements in the README, "Benchmarks").
+row's time for M <= 4 (``codespec bench runner``; the figures are in BENCHMARKS.md).
 Each output is summed in the same order whatever the number of rows, so a
 product's rows equal, bit for bit, what one-row calls give.
 
@@ -46,13 +46,13 @@ SOURCE = Path(__file__).parent / "csrc" / "gemm.cpp"
 PANEL = 16  # output columns per packed panel (two AVX2 vectors)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
 # From this many rows on, a product is split across torch's threads (its OpenMP pool):
-# at 2 threads and 1,300 cached tokens, 8 / 16-token forwards took 3.80 / 5.44 ms with
-# 8 here against 4.69 / 7.22 ms with 32 (interleaved medians of 40).
+# at 2 threads, verification forwards of 8 and 16 tokens run faster split from 8 rows
+# on than from 32.
 THREADED_ROWS = 8
 # Products with at least this many weights are split across the threads whatever their
 # rows: a decode step streams its weights from memory, and two cores stream faster than
-# one. At 2 threads and 1,300 cached tokens a decode step took 1.44 ms with 2^16 here
-# against 1.81 with 2^21 (only the LM head split), a 4-token forward 2.03 against 2.28.
+# one. A threshold that splits every layer's matrices, not only the LM head (2^21 would),
+# makes decode steps and small verifications faster.
 THREADED_WEIGHTS = 1 << 16
 
 _products: dict[torch.dtype, Callable[..., None]] = {}  # panel dtype -> the kernel's product

@@ -139,10 +139,10 @@ class Stats:
 
 # The lean stack's LM head under Runner.forward's ``greedy``: its first chunk of logit rows
 # (stack.cpp's STOP_ROWS: the root and three nodes), then the rest in a second pass over
-# the head's weights. 17 rows at 1,372 cached tokens (2 threads, medians of 9): a walk
-# ending inside the first chunk saves ~11% of the forward, one going past it pays ~6% (the
-# second pass streams the 30 MB head again): the stop is asked for only while the chance
-# of going past the first chunk is under 0.11 / (0.11 + 0.06).
+# the head's weights. A walk ending inside the first chunk saves the rest of the head's
+# rows; one going past it pays for a second pass that streams the head's weights again.
+# The stop is asked for only while the chance of going past the first chunk is under
+# STOP_BELOW, where that saving and that cost break even (timed: BENCHMARKS.md).
 HEAD_FIRST_ROWS = 4
 STOP_BELOW = 0.65
 
@@ -312,8 +312,8 @@ class Engine(ModelTarget):
 
     def _argmax(self, logits: torch.Tensor, params: GenParams) -> list[int] | None:
         """Greedy verification's row argmaxes from the runner's own kernel, where it has
-        one (the lean runner's stack: one pass a row, ~4x torch.argmax over this vocabulary
-        on a Zen 4); None: verification takes torch's."""
+        one (the lean runner's stack: one pass a row, faster than torch.argmax over a large
+        vocabulary); None: verification takes torch's."""
         fn = getattr(self.runner, "argmax_rows", None)
         return fn(logits) if fn is not None and params.temperature <= 0 else None
 

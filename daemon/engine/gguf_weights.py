@@ -2,7 +2,7 @@
 
 Owns reading a GGUF (its own small parser: header, metadata scalars, the tensor table; the
 ``gguf`` package's reader parses every token of the vocabulary into Python objects first,
-~1-10 s for a 49k vocabulary), the model's shape from the metadata (or from the HF
+slow for a large vocabulary), the model's shape from the metadata (or from the HF
 ``config.json`` the model cache wrote beside it), and :func:`load`: every matrix as a
 :class:`~codespec.daemon.engine.quant_gemm.QuantMatrix` of its own blocks, norms and biases
 fp32. Nothing is dequantized: the embedding is looked up by widening the rows asked for.
@@ -216,7 +216,7 @@ def config_from_meta(g: GGUFFile) -> SimpleNamespace:
 
 
 def config_from_json(path: str | Path) -> SimpleNamespace:
-    """An HF ``config.json`` as a plain namespace (no transformers import: ~1 s saved)."""
+    """An HF ``config.json`` as a plain namespace (no transformers import: a faster start)."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     data.setdefault("hidden_act", "silu")
     data.setdefault("tie_word_embeddings", False)

@@ -23,8 +23,8 @@ Two ways to run, chosen at load:
 - **torch** (``kernels=False``, CUDA, no compiler; ``lean_torch``): q/k/v and gate/up fused,
   weights ``(in, out)`` applied as ``x @ W``, an fp32 (bf16 on CUDA) cache, SDPA with an
   explicit mask (a chain after a cache is not SDPA's top-left ``is_causal``).
-  ``compile=True`` wraps the layers in ``torch.compile`` (slower than eager on the CPU
-  here: 12-22 ms against 4.2-4.7 ms a decode step of a 4x384 model).
+  ``compile=True`` wraps the layers in ``torch.compile`` (on the CPU its decode steps of
+  a small model are slower than eager's).
 
 Taps: tap 0 is the embeddings, tap ``l`` the output of decoder layer ``l`` and tap ``L``
 its output *before* the final norm (``HFRunner``'s last entry is after it). Long chains
@@ -449,10 +449,10 @@ def attention_for(int8: bool) -> str:
 
     ``bf16`` rounds q, k, v and the softmax weights to bf16 and sums their exact products
     in fp32 in AVX512-BF16's ``vdpbf16ps`` order: that instruction does half the work of
-    the fp32 path, whose FMAs bound a verification over a long cache (a Zen 4, 2 threads,
-    16 tokens after 4,000 cached: 0.77-0.82 of fp32's time). Without it the same numbers
-    come from two FMAs a pair and cost more than fp32 (1.2-1.4x at 4,000 cached on the
-    AVX2 and AVX-512 paths of that machine), so there it is only had by asking. It is
+    the fp32 path, whose FMAs bound a verification over a long cache, so such a
+    verification takes less time with it. Without it the same numbers come from two
+    FMAs a pair and cost more than fp32 (on the AVX2 and the AVX-512 path alike), so
+    there it is only had by asking. It is
     for the path that is already inexact (int8 activations); the exact products keep fp32
     attention over fp16, the path tested against transformers."""
     chosen = os.environ.get("CODESPEC_ATTENTION", "").strip().lower()
@@ -468,9 +468,9 @@ def gguf_products() -> str:
     ``exact`` or ``fp16``) when set, else ``int8`` where the CPU has an integer dot
     product path (AVX2, AVX-512 VNNI) and ``exact`` where it has not.
 
-    ``int8`` rounds each activation row to int8 per 32 inputs, as llama.cpp does: a
-    decode step 10-35% faster than the exact widening on this project's AVX2 machine,
-    the same completion quality (``codespec bench quality``). Plain decoding with it is
+    ``int8`` rounds each activation row to int8 per 32 inputs, as llama.cpp does: decode
+    steps faster than with the exact widening, at the same completion quality
+    (``codespec bench quality``). Plain decoding with it is
     the reference every speculative method equals, token for token."""
     from codespec.daemon.engine import quant_gemm
 

@@ -9,8 +9,8 @@ Dp = D rounded up to 16; with bf16 attention the same bytes hold bf16 in pairs, 
 and :meth:`Stack.keep`. It knows nothing about files, tokenizers or the cache verbs'
 bookkeeping (the runner keeps the length).
 
-Why one call: a decode step of a 30-layer model made ~15 torch / ctypes calls a layer,
-~3 ms of dispatch per step at ~10-20 us each, as much as the products' own time.
+Why one call: run from Python, a decode step of a 30-layer model makes over a dozen
+torch / ctypes calls a layer, whose dispatch costs as much as the products themselves.
 
 Exactness (the C++ file says how): every row of a forward equals, bit for bit, the
 one-token forward at its place (decode rows equal verify rows, chain or tree), on every

@@ -26,18 +26,15 @@ SAMPLES = 3  # timed forwards per size in time_forwards (the fastest counts)
 # A draft head's products of fewer rows than this run on one thread. codespec runs OpenMP
 # passive (OMP_WAIT_POLICY=PASSIVE, see codespec.daemon): a product split over the pool
 # wakes a sleeping thread by futex, and a head forward is seven products with Python steps
-# between them, right after a target forward that left the pool asleep. Measured on a Zen 4
-# VM, 2 cores, EAGLE drafting one token a step on 8 novel-code prompts, one process
-# alternating: the head's products took 1.05-1.3 ms a step split over 2 threads (Q8_0 or
-# 16-bit) and 0.52 ms on one (Q8_0), the whole draft 1.7-2.0 against 1.1-1.2 ms.
+# between them, right after a target forward that left the pool asleep: for products
+# this small, waking the pool costs more than a second core saves, so on one thread the
+# head's products, and the whole draft, take less time than split over two (EAGLE
+# drafting one token a step).
 FEW_ROWS = 8
-# The blocks a draft head's matrices are held in for Int8Kernels. Measured on a Zen 4 VM,
-# 2 cores, 12 novel-code prompts, the EAGLE proposer drafting every step, one process,
-# three rounds alternating: drafting one token a step cost 1.11 / 0.88 / 0.90 ms a step
-# in Q8_0 / Q4_0 / Q4_1 (6.7 / 3.5 / 3.9 MB) and gave 1.399 / 1.389 / 1.389 tokens a
-# forward; two candidates a step 1.14 / 0.91 / 0.94 ms and 1.545 / 1.548 / 1.548 (decode
-# 1.018x / 1.082x / 1.096x of plain decoding's speed). Q4_1: as fast as Q4_0, its min
-# the closer fit.
+# The blocks a draft head's matrices are held in for Int8Kernels. With the EAGLE proposer
+# drafting every step, Q4_0 and Q4_1 heads draft faster than a Q8_0 one (fewer bytes,
+# read cold every step) at about the same tokens per forward, and so decode faster; Q4_1
+# is as fast as Q4_0, its min the closer fit.
 HEAD_BLOCKS = "Q4_1"
 
 
@@ -75,10 +72,10 @@ class Int8Kernels(CpuGemmKernels):
     (:data:`HEAD_BLOCKS`) multiplied the way the int8 lean runner multiplies its own
     (``quant_gemm.linear_i8``: x rounded to int8 per 32 inputs, integer dot products), for
     a target whose products are already inexact so. A head's weights are read cold after
-    every target forward (the target's ~97 MB evict them from every cache), so its bytes
-    are most of a drafting step: SmolLM2-135M's head holds 12.5 MB in 16 bits, 3.9 MB in
-    Q4_1. A matrix whose inputs are no multiple of 32 keeps its 16-bit panels. The head
-    only drafts, so its rounding can move acceptance, never an output."""
+    every target forward (the target's weights, far larger than the caches, evict them),
+    so its bytes are most of a drafting step, and Q4_1 holds them in under a third of
+    their 16-bit size. A matrix whose inputs are no multiple of 32 keeps its 16-bit
+    panels. The head only drafts, so its rounding can move acceptance, never an output."""
 
     def pack(self, w: torch.Tensor) -> Any:
         k, n = w.shape  # (in, out)
@@ -141,7 +138,7 @@ class ModelTarget:
     def time_forwards(self, sizes: tuple[int, ...] = SEED_SIZES) -> dict[int, float]:
         """``{tokens: ms}``: forwards of each size on top of the runner's cache, each cut
         off again (the cache is left as it was): one untimed warm-up, then the fastest of
-        ``SAMPLES`` (noise on a shared machine only adds time; one sample priced a size
+        ``SAMPLES`` (noise on a shared machine only adds time; one sample prices a size
         at a spike often enough to make the policy's first choices a coin toss). Token
         id 0 everywhere: only the time matters."""
         runner = self.runner

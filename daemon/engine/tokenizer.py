@@ -8,11 +8,11 @@ daemon asks of a tokenizer: ``backend_tokenizer``, ``get_vocab``,
 jinja2 the way transformers 5 renders it: sandboxed, ``trim_blocks``, ``lstrip_blocks``,
 ``raise_exception``, ``tojson``, the special tokens as variables) and ``len``.
 
-Why: ``AutoTokenizer.from_pretrained`` costs ~1.3 s on this machine and the
-``transformers`` import under it ~1-2 s more, half of a daemon's start on a cached model;
-``Tokenizer.from_file`` takes ~0.1 s. A folder whose ``tokenizer_config.json`` asks for
+Why: ``AutoTokenizer.from_pretrained`` and the ``transformers`` import under it are
+about half of a daemon's start on a cached model; ``Tokenizer.from_file`` is a small
+fraction of that. A folder whose ``tokenizer_config.json`` asks for
 anything else than the plain ``tokenizers`` backend (a Python tokenizer class, extra
-normalisation) gets ``AutoTokenizer`` as before. It knows nothing about models.
+normalisation) gets ``AutoTokenizer``. It knows nothing about models.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def file_label(uri: str) -> str:
 
 def _repo_layout(engine: Any) -> bool:
     """Whether the tokenizer has StarCoder-style ``<file_sep>`` (repository-level data).
-    (One lookup: ``get_vocab()`` copied the 49k-entry vocabulary, ~1 ms a keystroke.)"""
+    (One lookup: ``get_vocab()`` would copy the whole vocabulary on every keystroke.)"""
     return engine.tokenizer.backend_tokenizer.token_to_id(FILE_SEP) is not None
 
 

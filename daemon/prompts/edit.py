@@ -29,8 +29,8 @@ from codespec.daemon.text.tracker import TextTracker, region_shape
 
 # An edit's drafts may run this long at least (a longer config max_draft stands): its old
 # region or prediction is copied in long runs, and the policy cuts each draft to the part
-# that pays. Measured on SmolLM2-135M (`codespec bench edit.jsonl`, the 2026-12-04
-# 12:45 block of BENCHMARKS.md): ngram 2.77x of off with 16 draft tokens, 3.03x with 64.
+# that pays, so edits decode faster with drafts this long than with 16 (`codespec bench
+# edit.jsonl` on SmolLM2-135M: BENCHMARKS.md, the 2026-12-04 12:45 block).
 EDIT_DRAFT = 64
 
 COMMENT = {
@@ -137,7 +137,7 @@ def edit_prompt(
       continues the rewrite. Ends at the code after the region or when the rewrite
       has as many lines at the region's indentation as the draft. A small instruct
       model (SmolLM2-135M) copies the draft this way and answers with prose through
-      its chat template (measured: README, "Edits").
+      its chat template.
     - ``chat`` (``auto`` for models with FIM tokens and a chat template: instruct code
       models): the instruction and the draft in one user turn of the model's chat
       template, the reply begun inside a code fence whose closing ends it.
@@ -198,7 +198,7 @@ def _chat_edit(
     """The ``chat`` edit prompt: one user turn with the instruction and the region (the
     draft), fenced; the reply is begun with the region's fence, so its closing fence ends
     it. The code around the region stays out: given it, Qwen2.5-Coder-0.5B-Instruct
-    rewrote that code instead of the region."""
+    rewrites that code instead of the region."""
     if not has_chat_template(engine):
         raise ProtocolError(BAD_PARAMS, "the model has no chat template")
     fence = f"```{language}\n"

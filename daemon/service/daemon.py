@@ -144,10 +144,10 @@ class Server:
         self.index = self._load_index()
         from codespec.ngram_index import native as index_native
 
-        # the index's C++ lookup built (or loaded) now: a fresh kernel cache took ~0.5 s
-        # to compile it inside the first completion
+        # the index's C++ lookup built (or loaded) now: compiling it into a fresh kernel
+        # cache inside the first completion would stall that completion
         await asyncio.to_thread(index_native.available)
-        # token healing's table of every token's text (~0.2 s), built now, not inside the
+        # token healing's table of every token's text, built now, not inside the
         # first completion whose prompt is healed
         await asyncio.to_thread(TokenTexts.of, self.engine.tokenizer, self.engine.runner.vocab_size)
         make = Scheduler

@@ -25,7 +25,7 @@ ones not counted): below ``shorten_at`` the request's full draft length;
 from ``shorten_at`` the draft length halves per extra request; from
 ``off_at`` speculation is off (plain decoding). Requests run one at a time, so
 a verify forward takes nothing from the others; the defaults (9, 32) keep
-full drafts up to 8 active requests, where they were measured to pay
+full drafts up to 8 active requests, where they still pay
 (``codespec.daemon.config``).
 
 Cancellation: ``Job.cancel`` is checked by the engine after every target
@@ -153,8 +153,8 @@ class RecentOutputs:
         return len(self._by_uri)
 
 
-# Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight
-# (~80 ms for 32 on 2 CPU cores; 128 made a keystroke wait up to ~300 ms).
+# Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight,
+# so chunks stay small (a few times larger, and a keystroke's completion waits noticeably).
 WARM_CHUNK = 32
 
 

@@ -7,8 +7,8 @@ kept from the last keystrokes (a few recent texts), so typing on a line re-token
 only that line. Must not touch: prompts' layout and windows, documents, the model.
 
 Why: a completion reads ~12 characters per prompt token before the cursor (a 1,024-token
-window reads 12 KB) and tokenizing it took 3.3-4 ms of every keystroke on this project's
-CPU, 33 ms with an 8k window at the end of a 120 KB file.
+window reads 12 KB), and tokenizing all of it again would be a noticeable part of every
+keystroke's latency, growing with the window.
 
 When splitting is exact (a split point ``q``: ``encode(text) == encode(text[:q]) +
 encode(text[q:])``), for the two pre-tokenizers known here; text holding an added token's
@@ -97,8 +97,8 @@ def _is_qwen2(pre: Any) -> bool:
 def split_rule(backend: Any) -> Callable[[str, str], bool] | None:
     """The split-point test for ``backend`` (a ``tokenizers.Tokenizer``): ``(character
     before, character) -> whether a split there is exact``, or None (never split). Read
-    from its normalizer and pre-tokenizer objects: the whole tokenizer's JSON (its
-    vocabulary, 1.5 MB for SmolLM2) took ~130 ms to write and parse."""
+    from its normalizer and pre-tokenizer objects, not from the whole tokenizer's JSON,
+    whose vocabulary makes it slow to write and parse."""
     pre, norm = backend.pre_tokenizer, backend.normalizer
     if (
         norm is None

@@ -7,8 +7,7 @@ prefix-suffix-middle FIM and left-to-right samples), deterministic held-out
 windows, and a byte-level BPE with the FIM special tokens at ids 0..4 (for
 benchmarks and tests that need a small tokenizer of their own).
 
-Must not touch: models, the engine, the daemon. (These pieces were the data half
-of the retired ``codespec train-model``, which trained the first embedded model.)
+Must not touch: models, the engine, the daemon.
 """
 
 from __future__ import annotations

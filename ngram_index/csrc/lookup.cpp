@@ -6,9 +6,9 @@
 // the longest length per tier, then per tier the occurrences of that length, the most
 // recently used document first and the latest position first, at most 64, their
 // continuations of up to k ids (cut at a document's end) counted in first-read order, and
-// up to b candidates, none offered twice. In a speculative step the numpy path's ~80
-// small calls ran with their code and data cold (the forward before them streams the
-// weights through every cache): ~0.3-0.5 ms a lookup where the arithmetic is microseconds.
+// up to b candidates, none offered twice. In a speculative step the numpy path's many
+// small calls run with their code and data cold (the forward before them streams the
+// weights through every cache), and cost far more than the lookup's arithmetic.
 //
 // Must not touch: anything but the arrays it is handed (it reads them, writes only Out).
 

@@ -3,9 +3,9 @@
 // y[M, N] = x[M, K] @ W[K, N] (+ bias[N]) (+ res[M, N]) with W packed in panels of
 // 16 output columns, P[N / 16][K][16], so that each panel streams from memory in
 // order. Rows are taken four at a time: 4 rows x 2 AVX2 vectors = 8 accumulators,
-// the most this register file holds without spilling (5 or 6 rows measured slower).
+// the most this register file holds without spilling (5 or 6 rows run slower).
 // A product of one or two rows takes four or two panels per pass instead, for the same
-// 8 independent sums (one panel alone left the FMA units waiting on its 2 or 4).
+// 8 independent sums (one panel alone leaves the FMA units waiting on its 2 or 4).
 // Panels hold fp32, fp16 or bf16 weights (the 16-bit ones widened exactly on load).
 // Each output element is summed over k = 0 .. K-1 in order with one FMA per step,
 // whatever M is, so a row's result does not depend on which other rows share the
@@ -308,7 +308,7 @@ void gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const W* P, int64_t
 extern "C" {
 
 // Attention of a few query rows over a KV cache, grouped-query style, for decode
-// steps and small drafts (torch's SDPA costs ~3x the bytes it reads there).
+// steps and small drafts (torch's SDPA costs several times its bytes' read time there).
 // q (KV, R, D) with rows r = t * G + g; k, v (KV, S_max, D) caches (head stride
 // S_max * D) holding past + T keys; query t sees every key s < past and new key
 // past + j when allowed[t * T + j] (allowed == nullptr: a chain, j <= t).
@@ -359,7 +359,7 @@ void cs_attention(const float* q, int64_t KV, int64_t R, int64_t G, int64_t D, c
 int cs_gemm_version() { return 7; }
 
 // y = x / sqrt(mean(x^2) + eps) * w per row (RMSNorm as Llama computes it, in fp32).
-// torch's rms_norm costs ~15-30 us of dispatch for one 384-wide row here; this ~1 us.
+// torch's rms_norm spends many times longer on dispatch for one row than this takes.
 void cs_rmsnorm(const float* x, int64_t M, int64_t H, int64_t ldx, const float* w, float eps,
                 float* y, int64_t ldy) {
   for (int64_t m = 0; m < M; ++m) {
@@ -390,7 +390,7 @@ void cs_rmsnorm(const float* x, int64_t M, int64_t H, int64_t ldx, const float* 
 // threads > 1 splits the panels between that many OpenMP threads. The library is
 // built with -fopenmp and loaded after torch, so it shares torch's libgomp and its
 // thread pool: threads of its own would fight torch's spinning workers for the cores
-// (a 1,024-token prefill on 2 cores took 189 ms that way, 125 ms this way).
+// (a long prefill on 2 cores is markedly slower that way).
 void cs_gemm(const float* x, int64_t M, int64_t K, int64_t ldx, const float* P, int64_t N,
              float* y, int64_t ldy, const float* bias, const float* res, int64_t ldr,
              int64_t threads) {

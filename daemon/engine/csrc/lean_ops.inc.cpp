@@ -267,8 +267,8 @@ void chunk_any(int R, const float* const* q, const int64_t* nvalid, int64_t nk, 
 // vdpbf16ps's order: per pair of elements (d, d + 1) the odd one's product first, then the
 // even one's, each addition rounded to fp32 (to nearest even, a denormal result flushed
 // to zero). On a CPU with AVX512-BF16 one vdpbf16ps does a pair for 16 lanes (BfNative);
-// elsewhere two FMAs do (BfEmu): the same numbers bit for bit, at 1.2-1.4x the fp32 path's
-// cost (Zen 4, 4,000 cached tokens), which is why lean.attention_for picks bf16 only where
+// elsewhere two FMAs do (BfEmu): the same numbers bit for bit, at more than the fp32 path's
+// cost over a long cache, which is why lean.attention_for picks bf16 only where
 // the CPU has vdpbf16ps. With it, half the instructions of the fp32 FMAs: a verification's
 // attention over a long cache is arithmetic-bound. BfEmu / BfNative: round (vbfr's
 // contract), and BfNative's ld / dot.
@@ -337,7 +337,7 @@ inline void weigh_keys_bf(const float* p, const uint16_t* pb, int64_t ld, int64_
 // The sum l of each row's rounded weights (bits in sb, rows CHUNK apart, ntile tiles) to
 // part[r][1], as the dot products add: 32 weights a step, lane i adding the pair (2i, 2i
 // + 1) (the odd one first) with a vdpbf16ps by ones where the CPU has it (one instruction
-// per two tiles, where widening the rounded weights back and adding them took three per
+// per two tiles, where widening the rounded weights back and adding them takes three per
 // tile). A tile past the last is zeros.
 template <class B, int R>
 inline void sum_pairs(uint16_t* sb, int64_t ntile, float* const* part) {

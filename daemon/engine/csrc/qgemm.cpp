@@ -43,8 +43,8 @@
 // for 16 columns (load and expand a group, its quants as floats, scales, fma, store); only
 // the primitives and the pass shapes (rows and panels a pass, for the registers) are
 // written per ISA. Exact widening costs one FMA per weight vector besides the rows' own:
-// a one-row product is bound by the vector pipes (about 10 GB/s of Q4_1 per Zen 4 core),
-// many rows by the FMA units (16 fp32 multiply-adds per cycle per core).
+// a one-row product is bound by the vector pipes that widen the weights, many rows by
+// the FMA units (16 fp32 multiply-adds per cycle per core).
 //
 // A second product, cs_qgemm_i8, is what llama.cpp does instead: each row of x is rounded
 // to int8 per 32 k (one fp32 scale per 32), and blocks are multiplied by integer dot
@@ -459,11 +459,10 @@ struct Args {
 };
 
 // Panels are stored in groups of GROUP (the last group may hold fewer), interleaved so
-// that the panels a one-row product reads together come in one sequential stream: with
-// four separate streams a cold one-row Q4_1 product took ~25% longer (130 against 97 us
-// for 576 -> 3072, one Zen 4 thread), the Q8_0 LM head ~40% longer. Block b of a group
-// holds its panels' headers one after the other, then their groups of four k interleaved
-// (group 0 of each panel, group 1 of each, ...).
+// that the panels a one-row product reads together come in one sequential stream: four
+// separate streams make a cold one-row product markedly slower, the Q8_0 LM head's most.
+// Block b of a group holds its panels' headers one after the other, then their groups of
+// four k interleaved (group 0 of each panel, group 1 of each, ...).
 constexpr int64_t GROUP = 4;
 
 // Panel p: its group's first byte, the group's bytes per block and panel count, p's place.
@@ -515,8 +514,8 @@ inline int64_t group_end(int64_t p, int64_t p1) {
 
 // Whether the many-row int8 products (AVX-512 VNNI) fetch the next group of panels while
 // their later passes read the current one from cache (CODESPEC_PREFETCH=0: not, for
-// comparisons). Measured on Zen 5, 2 threads, 1,000 cached tokens, the same process
-// alternating: a 16-token forward 12.97 against 13.70 ms, 8 tokens 8.46 / 8.66, 64 the same.
+// comparisons). The fetches make 8- and 16-token forwards a little faster and change
+// nothing at 64 tokens.
 inline bool prefetch_on() {
   static const bool on = [] {
     const char* e = std::getenv("CODESPEC_PREFETCH");
@@ -527,11 +526,9 @@ inline bool prefetch_on() {
 
 // Blocks ahead (of a group of four panels) that the AVX-512 VNNI products of 1 to 4 rows
 // fetch while they stream the weights (0: none; CODESPEC_PREFETCH_AHEAD or
-// cs_q_prefetch_ahead, for comparisons). Measured on a Sapphire Rapids VM, 2 threads, one
-// process alternating: a decode step at 256 / 1,000 / 4,000 cached tokens 7.33 / 7.46 /
-// 14.97 ms with none, 6.39 / 6.49 / 14.09 at 4 (3 and 6 the same); 4 tokens 10.66 /
-// 10.80 / 24.41 against 8.15 / 9.09 / 22.38. The hardware prefetcher alone left the
-// stream at about half the bandwidth torch's products reach there.
+// cs_q_prefetch_ahead, for comparisons). Fetching 4 blocks ahead (3 and 6 do as well)
+// makes decode steps and 4-token forwards faster at short and long contexts: the hardware
+// prefetcher alone leaves the stream well below the bandwidth torch's products reach.
 std::atomic<int64_t> g_prefetch_ahead{[] {
   const char* e = std::getenv("CODESPEC_PREFETCH_AHEAD");
   return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{4};
@@ -541,12 +538,9 @@ inline int64_t prefetch_ahead() { return g_prefetch_ahead.load(std::memory_order
 // The cache the many-row int8 products fetch the next group of panels into (Trickle): 2,
 // L2 (prefetcht1, the default), or 1, L1 (prefetcht0; CODESPEC_PREFETCH_LEVEL or
 // cs_q_prefetch_level, for comparisons). The group they read from cache meanwhile (39 KB
-// for the LM head) does not fit L1 beside x, and fetching the next one into L1 pushed it
-// out. Measured on a Zen 4 VM, 2 threads: the LM head (49152 x 576 Q8_0) alone, two builds
-// alternating three times, 8 rows 1.85 / 1.80 -> 1.42 / 1.45 ms, 16 rows 2.50 / 2.33 ->
-// 2.02 / 2.06 (medians of 60); whole forwards in one process alternating (41 reps), 8
-// tokens at 256 / 1,300 / 4,000 cached 9.58 / 12.87 / 21.76 -> 8.34 / 12.04 / 21.10 ms,
-// 16 tokens 14.95 / 21.52 / 36.78 -> 14.48 / 21.19 / 36.87 (a busy machine).
+// for the LM head) does not fit L1 beside x, and fetching the next one into L1 pushes it
+// out: into L2, the LM head's 8- and 16-row products and 8-token forwards are faster,
+// 16-token forwards about the same.
 std::atomic<int32_t> g_prefetch_level{[] {
   const char* e = std::getenv("CODESPEC_PREFETCH_LEVEL");
   return e && e[0] == '1' ? 1 : 2;
@@ -1276,7 +1270,7 @@ inline int32_t rd32(const int8_t* p) {
 }
 
 // acc += the dot products of u's unsigned and s's signed bytes, four per lane: vpdpbusd
-// written so that the sum stays in its register. With the intrinsic GCC 12 copied every
+// written so that the sum stays in its register. With the intrinsic GCC 12 copies every
 // sum to another register and back around each instruction (16 moves a group of four k
 // in the 4-row x 2-panel pass below, twice the vpdpbusd).
 inline I dpbusd(I acc, I u, I s) {
@@ -1298,7 +1292,7 @@ inline I dpbusd_at(I acc, I u, const int8_t* p) {
 // are 16 times too large (exactly: |sum| < 2^24) and their scales are taken 16 times
 // smaller (exact: a power of two). (s / 16) * dx rounds to (s * dx) / 16 and the fma sees
 // the same real product, so the outputs are those of the shifted quants bit for bit (short
-// of a subnormal s * dx). The shift ran on the port the dot products need (SPR: vpsrlvw and
+// of a subnormal s * dx). The shift runs on the port the dot products need (SPR: vpsrlvw and
 // vpdpbusd zmm on port 0).
 template <int T>
 constexpr bool high_x16 = T == T_Q4_0 || T == T_Q4_1 || T == T_Q4_K;
@@ -1318,8 +1312,8 @@ inline I group_i8(const uint8_t* g) {
 // Lane j of the result: op over the 16 lanes of v[j] (max or add; exact for both: the
 // order of a max does not matter, integer sums are exact). Four rounds of shuffles that
 // halve the lanes each vector carries, 15 ops in all, where 16 horizontal reductions
-// took ~8 dependent steps each and a move to a general register per sum (a quarter of
-// the old quantization's samples sat on one such move, Zen 4). The rounds leave block j
+// take ~8 dependent steps each and a move to a general register per sum (such moves take
+// a large share of a quantization that reduces block by block). The rounds leave block j
 // in lane `spread`[j] (quantize_blocks).
 template <class Op>
 inline V lanes_reduce(const V* v, Op op) {
@@ -1337,8 +1331,8 @@ inline V lanes_reduce(const V* v, Op op) {
 // scales. A block's index i is also where its step, ms and sums lie (dx[i], ms[i], s16[2i]),
 // so 16 blocks' max |x| go into one vector (lanes_reduce) and their d = max / 127 and
 // 1 / d are one division each (IEEE, as the scalar ones), where the AVX2 pass divides
-// twice per block and adds its sums in scalar code (4.5% of a 32-token forward's samples
-// on Zen 4); the blocks' integer sums are reduced 16 at a time too.
+// twice per block and adds its sums in scalar code (a visible part of a many-token
+// forward's profile); the blocks' integer sums are reduced 16 at a time too.
 void quantize_blocks(const float* x, int64_t K, int64_t ldx, Xq& o, int64_t b0, int64_t b1) {
   const V sign = _mm512_set1_ps(-0.0f), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
   // lanes_reduce leaves block j in lane spread[j] (a permutation that is its own inverse)
@@ -1496,10 +1490,8 @@ void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1, Trickle* tr = nu
     const int64_t end = group_end(p, p1);
     for (; p + NP <= end; p += NP) direct<T, MR, NP>(ai, m, p, tr);
     // what is left of the group (a thread's share cut it) in one pass, not panel by panel:
-    // a one-panel pass pays a sub-block's scales and float steps for 16 columns alone (perf
-    // put 6% of a decode step's samples there, SPR; one process alternating two builds,
-    // 1 / 4 / 8 tokens at 256 cached 0.99 / 0.98 / 1.01 of before, at 1,300 1.00 / 0.99 /
-    // 1.00)
+    // a one-panel pass pays a sub-block's scales and float steps for 16 columns alone (a
+    // hot spot in a profile of decode steps)
     if constexpr (NP == 4) {
       if (end - p == 3) direct<T, MR, 3>(ai, m, p, tr);
       else if (end - p == 2) direct<T, MR, 2>(ai, m, p, tr);
@@ -1522,8 +1514,8 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
     default: break;
   }
   // More rows: group by group (its bytes come from memory once, then from cache), four
-  // rows x two panels a pass. Measured on Zen 4 against 4 x 4 (spills) and 8 rows x 1
-  // panel (reads every fourth group of four k from memory, then the rest).
+  // rows x two panels a pass: faster than 4 x 4 (spills) and than 8 rows x 1 panel
+  // (reads every fourth group of four k from memory, then the rest).
   const int64_t passes = (M + 3) / 4;
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
@@ -1534,8 +1526,8 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
         next ? (ai.a.npanel - end < GROUP ? ai.a.npanel - end : GROUP) * ai.a.pstride : 0;
     for (int64_t m = 0; m < M; m += 4) {
       // each later pass takes its slice of the next group a few lines per sub-block: issued
-      // all at once before the pass, the fetches waited on a full set of line-fill buffers
-      // (the prefetch instructions held ~7% of a 16-token forward's samples, SPR)
+      // all at once before the pass, the fetches would wait on a full set of line-fill
+      // buffers and stall the pass at its prefetch instructions
       Trickle tr{nullptr, nullptr, 0, true};
       if (m > 0 && next && prefetch_on()) {
         const int64_t s0 = nbytes * (m / 4 - 1) / (passes - 1);
@@ -1647,7 +1639,7 @@ constexpr int acc16() {
 }
 
 // acc += the 16 pair sums (16 bits) of four products per 32-bit lane, u8 quants z times
-// s8 x (vpmaddubsw), in place: written by hand because GCC gave each sum a new register
+// s8 x (vpmaddubsw), in place: written by hand because GCC gives each sum a new register
 // and a move back every group (6 of the 31 instructions of a 3-row group, which is bound
 // by the front end's 6 a cycle).
 inline void mul4_add(I& acc, I z, I xv) {
@@ -1722,7 +1714,7 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p) {
         I2 s16[MR][NP];
         for (int r = 0; r < MR; ++r)
           for (int q = 0; q < NP; ++q) s16[r][q] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 1  // unrolled, GCC kept every product on the stack before summing
+#pragma GCC unroll 1  // unrolled, GCC keeps every product on the stack before summing
         for (int g = g0; g < g0 + A; ++g) {
           const int gi = j * G + g;
           I2 z[NP];
@@ -1782,8 +1774,8 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   if (T == T_Q8_0 && M <= 8) {
     // Q8_0 gains nothing from 16-bit sums (acc16 1): up to 8 rows, group by group, two
     // rows x four panels a pass, the four panels read as one stream; beyond, as the other
-    // types (the LM head at 16 rows, 2 threads: 6.7 against 7.9 ms; at 2-8 rows equal or
-    // up to 12% slower that way).
+    // types (for the LM head at 16 rows the other types' way is faster; at 2-8 rows it is
+    // as fast or slower).
     for (int64_t p = p0; p < p1;) {
       const int64_t end = group_end(p, p1);
       int64_t m = 0;
@@ -1795,16 +1787,13 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   }
   // Group by group: the first row with the group's four panels at once (its weights
   // stream from memory in storage order, as a one-row product's do), then the other rows
-  // panel by panel, three a pass, from L1/L2. Every pass starting panel by panel read a
-  // quarter of each cache line and waited on memory: for 576 -> 3072 Q4_1 from memory
-  // (AVX2, one Zen 3 thread, interleaved medians) 3 / 8 / 16 rows took 0.30 / 0.55 /
-  // 0.83 ms that way, 0.22 / 0.41 / 0.76 this way. Rows after the first go four at a
+  // panel by panel, three a pass, from L1/L2. Were every pass to start panel by panel, it
+  // would read a quarter of each cache line and wait on memory, slower at every row
+  // count. Rows after the first go four at a
   // time (8 sums, 2 quant vectors, x, a product and the nibble mask: 13 of the 16 ymm),
   // then three, then pairs, never a lone row where a pair can be made (a pass's unpacking
-  // is shared by its rows: a lone row pays it alone). Four rather than three a pass, the
-  // 576 -> 3072 Q4_1 product from cache (one Zen 3 thread, best of many): 8 / 16 / 17 rows
-  // 0.234 / 0.404 / 0.454 -> 0.204 / 0.383 / 0.410 ms. Unrolling the group loop twice
-  // was slower (0.424 ms at 16 rows).
+  // is shared by its rows: a lone row pays it alone). Four rather than three a pass is
+  // faster from cache at 8 to 17 rows; unrolling the group loop twice is slower.
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
     range<T, 1, 4>(ai, 0, p, end);
@@ -1948,7 +1937,7 @@ int cs_qgemm_i8(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const 
 // n products of the same rows x side by side: y[:, c_i .. c_i + N_i] = x @ W_i^T (+ bias_i)
 // (+ res[:, c_i ..]), c_i the sum of the N before it (q, k and v; gate and up). x is
 // quantized once and every matrix's panels are shared out in one parallel region: a
-// region costs a wake-up of the sleeping threads (~10 us here), a forward makes ~240.
+// region costs a wake-up of the sleeping threads, and a forward would open ~240 of them.
 // Each output equals cs_qgemm_i8's for its matrix alone. Returns 0, or -1.
 int cs_qgemm_i8_many(int64_t n, const int* types, const float* x, int64_t M, int64_t K,
                      int64_t ldx, const uint8_t* const* P, const int64_t* N, float* y,

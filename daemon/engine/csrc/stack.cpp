@@ -2,8 +2,8 @@
 // embedding lookup, every layer (RMSNorm, q/k/v products, RoPE, the fp16 KV cache write,
 // grouped-query attention over the cache, o, gate/up, SiLU, down, residuals) and the final
 // norm and LM head, for T tokens appended after `past` cached ones. One ctypes call per
-// forward instead of ~15 per layer (30 layers: ~3 ms of Python and dispatch per decode
-// step, as much as the products themselves).
+// forward: from Python, a dozen or more calls a layer would spend as much time on dispatch
+// as the products themselves take.
 //
 // Products go to the GGUF block kernel (cs_qgemm, qgemm.cpp, built into the same library)
 // or, for 16/32-bit panels, to cpu_gemm's cs_gemm* through function pointers the caller
@@ -74,13 +74,10 @@ constexpr int64_t CHUNK = 128;    // keys per softmax chunk
 constexpr int64_t MAX_DP = 256;   // the largest head dimension (rounded up to 16)
 constexpr int64_t TOKENS = 8;     // tokens per shared attention task
 // Cache lines ahead that attention's first pass over a chunk fetches its keys and values
-// (0: none; CODESPEC_ATT_AHEAD or cs_lean_att_ahead, for comparisons). Measured on a
-// Sapphire Rapids VM, 2 threads, one process alternating, 256 / 1,300 / 4,000 cached
-// tokens: a decode step 7.76 / 11.81 / 17.65 ms with none, 7.42 / 10.75 / 14.89 at 64
-// (128: 15.36 at 4,000, 256: 16.11); 8 tokens 16.51 / 27.31 / 48.71 against 16.77 /
-// 26.19 / 44.36, 16 tokens 25.20 / 45.03 / 83.74 against 24.78 / 43.98 / 78.87. Another
-// run, decode at 4,000: none 16.88, 8 lines 16.12, 32 15.07, 64 14.74. prefetcht1 instead
-// was no faster. The hardware prefetcher alone left a 4,000-token cache read at ~9 GB/s.
+// (0: none; CODESPEC_ATT_AHEAD or cs_lean_att_ahead, for comparisons). 64 lines make
+// decode steps and verifications over long caches faster, fewer or more lines less so,
+// and prefetcht1 is no faster: the hardware prefetcher alone leaves a long cache's read
+// slow.
 std::atomic<int64_t> g_att_ahead{[] {
   const char* e = std::getenv("CODESPEC_ATT_AHEAD");
   return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{64};
@@ -89,11 +86,9 @@ std::atomic<int64_t> g_att_ahead{[] {
 // Lines of the chunk of its thread's next task that a team-path attention task of several
 // passes fetches at each step of its dot loops (Ahead::then), so that those keys and values
 // arrive while this task computes (0: none, that task's own first pass fetches them as
-// they are read; CODESPEC_ATT_LEAD or cs_lean_att_lead, for comparisons). Measured on a
-// Zen 4 VM, 2 threads, one process alternating, 1,300 / 4,000 cached tokens: 8 tokens
-// 10.69 / 19.71 ms with none, 9.66 / 16.76 at 1 line; 16 tokens 17.33 / 32.39 against
-// 15.93 / 28.51 (another run at 4,000: 2 lines a step 0.89 / 0.94 of none, 4 lines 0.94 /
-// 0.97, 1 line 0.89 / 0.85). A decode step (one pass) is left as it was.
+// they are read; CODESPEC_ATT_LEAD or cs_lean_att_lead, for comparisons). One line a step
+// makes 8- and 16-token forwards over long caches faster, 2 or 4 lines no more so. A
+// decode step (one pass) fetches nothing this way.
 std::atomic<int32_t> g_att_lead{[] {
   const char* e = std::getenv("CODESPEC_ATT_LEAD");
   return e ? std::max(0, std::atoi(e)) : 1;
@@ -101,8 +96,8 @@ std::atomic<int32_t> g_att_lead{[] {
 
 std::atomic<int64_t> g_att_led{0};  // lines fetched so (cs_lean_att_led)
 // Keys a tree token's own attention tasks copied into K tiles (cs_lean_att_gathered): only
-// the tiles holding keys it sees. Copying whole 128-key chunks made a 16-token tree's
-// forward 1.24-1.30x a chain's at 1,300 cached (Zen 4), 1.01-1.06x with this.
+// the tiles holding keys it sees. Copying whole 128-key chunks would make a tree's
+// forward markedly slower than a chain's of the same length; with this they are close.
 std::atomic<int64_t> g_att_gathered{0};
 
 // Whether bf16 attention uses the CPU's own bf16 dot products (AVX512-BF16) where it has
@@ -121,17 +116,16 @@ std::atomic<int32_t> g_bf16_native{[] {
 }()};
 
 // Two threads' shares of a forward's products: thread 0 takes this fraction of each
-// matrix's panels, thread 1 the rest. With fixed halves the faster core waited for the
-// slower one at every barrier after a product (in a VM the two cores' speed differs, and
-// which one is faster changes from run to run: a 16-token forward at 256 cached, SPR, had
-// one thread wait 2.8 ms of 19.7 and the other 0.5). After each two-thread forward the
+// matrix's panels, thread 1 the rest. With fixed halves the faster core would wait for
+// the slower one at every barrier after a product (in a VM the two cores' speed differs,
+// and which one is faster changes from run to run). After each two-thread forward the
 // fraction moves halfway to the one that would have balanced the time each thread spent
 // in the products (clamped to 0.25-0.75). Which thread computes a panel changes no number.
 // CODESPEC_SPLIT_ADAPT=0 or cs_lean_split_adapt(0): halves (for comparisons).
 // Forwards shared out by rows (g_row_split) cut their tokens by a fraction of their own,
 // g_split_rows, moved only by such forwards: with one fraction for both, each decode
-// step's product balance moved the next verification's cut (16 tokens after 4,000 cached,
-// decode steps between them: thread 0 got 9 tokens after a step that left 0.54).
+// step's product balance would move the next verification's cut away from its own
+// balance.
 std::atomic<double> g_split{0.5};
 std::atomic<double> g_split_rows{0.5};
 std::atomic<int> g_split_adapt{[] {
@@ -154,10 +148,10 @@ void split_after(std::atomic<double>& split, double f, int64_t t0, int64_t t1) {
 // each reads the whole weights; the two read a layer's within microseconds of each other,
 // the second from L3) and, before each layer's attention, waits for the threads before it
 // to have stored that layer's keys (Progress: its tokens see theirs), instead of meeting
-// the other ~11 times a layer. With panels, every step's output was written by
-// both threads and read by both, so each row's data crossed between the cores at every
-// step; a 16-token forward at 1,300 cached (Zen 4) spent ~7% of its time at the barriers
-// and ~6% quantizing x into lines the other core had just read. One token (decode) has no
+// the other ~11 times a layer. With panels, every step's output is written by
+// both threads and read by both, so each row's data crosses between the cores at every
+// step, and a many-token forward spends a sizeable share of its time at the barriers
+// and quantizing x into lines the other core has just read. One token (decode) has no
 // rows to share. CODESPEC_ROW_SPLIT=N (0: never) or cs_lean_row_split(N). Which thread
 // computes a row changes no number.
 std::atomic<int64_t> g_row_split{[] {
@@ -209,7 +203,7 @@ struct Ahead {
   }
 };
 // A chain's first logit rows under Fwd::stop: the LM head costs about its bytes' read time
-// up to ~4 rows on 2 AVX2 cores (49152 x 576 Q8_0: ~2 ms), ~0.5 ms a row beyond.
+// up to ~4 rows on 2 AVX2 cores, and more with every row beyond.
 constexpr int64_t STOP_ROWS = 4;
 constexpr int64_t THREADED_WEIGHTS = 1 << 16, THREADED_ROWS = 8;  // as cpu_gemm.py
 
@@ -335,8 +329,8 @@ inline int64_t parent_row(const Fwd& f, int64_t j) {
 // torch.argmax's choice in one row of n logits: the first NaN if there is one (nan set),
 // else the first largest (+0 and -0 equal). Each lane keeps its largest and the first place
 // it was seen; then the largest of the lanes and, among the lanes holding it, the first
-// place. One pass over the row: ~4x faster than torch.argmax on a 49,152-token vocabulary
-// (Zen 4), which a greedy step pays per row of logits.
+// place. One pass over the row, several times faster than torch.argmax over a large
+// vocabulary, which a greedy step pays per row of logits.
 int64_t argmax_scalar(const float* row, int64_t n, bool& nan) {
   int64_t best = 0;
   nan = false;
@@ -449,8 +443,8 @@ bool walk_ends(const Fwd& f, const float* logits, int64_t n, int64_t r1, int64_t
 }
 
 // Each logit row's argmax in parts: thread t scans the columns [c0, c1) it wrote (in its
-// own cache: read from the other core, a row of 49,152 logits took ~100 us, ten times its
-// scan), then merge() takes, per row, the first NaN in column order if a part saw one, else
+// own cache: read from the other core, a row of logits costs many times its scan), then
+// merge() takes, per row, the first NaN in column order if a part saw one, else
 // the largest value, the first on a tie (threads hold columns in thread order): torch's
 // argmax of the whole row.
 struct Picks {
@@ -685,12 +679,13 @@ void tap(const Model& m, const Fwd& f, int64_t layer, const float* x, int64_t t0
 // One parallel region per forward (int8 block products): the threads meet at a Barrier
 // between the steps of a layer (~11 a layer; once a forward when it is shared out by rows,
 // g_row_split, whose layers wait only for earlier tokens' keys: Progress) instead of
-// OpenMP opening a region per product (~8 a layer, each a wake-up of sleeping threads:
-// ~10 us here, a quarter of a 256-token decode step). A thread that arrives early spins
+// OpenMP opening a region per product (~8 a layer, each a wake-up of sleeping threads,
+// together a sizeable part of a decode step). A thread that arrives early spins
 // for at most spin_ns (a partner a microsecond behind costs nothing), then sleeps on a
 // futex: on a busy machine a partner can be descheduled for milliseconds, and spinning
-// through that takes a core from the threads that are behind (OpenMP's own spinning made
-// a decode step 4-7x slower there). Whether to spin at all follows the machine (SpinPolicy).
+// through that takes a core from the threads that are behind (OpenMP's own spinning makes
+// a decode step several times slower there). Whether to spin at all follows the machine
+// (SpinPolicy).
 
 inline void cpu_relax() {
 #ifdef LS_X86
@@ -798,12 +793,12 @@ struct Progress {
 // before one forward tries spinning again. Kept apart by the forward's kind (1 token; up to
 // 16 by panels; up to 16 by rows; up to 64; more): a prefill's waits outlast the spin
 // because its steps are long, not because the machine is busy, and sleeping costs it
-// little; the decode steps after it must not learn from it (they did: a 1,000-token
-// prefill left the next decode steps sleeping at each of their ~330 barriers, 3x slower on
-// an idle machine). So with a verification shared out by rows, whose later threads wait
-// for the earlier ones' keys at every layer (Progress) because that is their order: a
-// 13-token tree's waits turned spinning off for the small drafts' forwards by panels after
-// it, each then ~2x as long (4 tokens after 1,300 cached, Zen 4: 11-14 ms against 6).
+// little; the decode steps after it must not learn from it (a long prefill would leave the
+// next decode steps sleeping at each of their barriers, several times slower on an idle
+// machine). So with a verification shared out by rows, whose later threads wait for the
+// earlier ones' keys at every layer (Progress) because that is their order: its waits
+// would turn spinning off for the small drafts' forwards by panels after it, each of them
+// then about twice as long.
 struct SpinPolicy {
   struct State {
     std::atomic<int64_t> forwards{0}, skip_until{0}, pause{16}, trips{0};
@@ -825,10 +820,9 @@ struct SpinPolicy {
     const State& s = size[size_of(T, rows)];
     // A longer forward's steps are longer, and so are the waits its threads' uneven
     // shares leave at a barrier: the spin grows with the tokens (x1 up to 4, x16 from 64).
-    // With 50 us for every size, 32- and 64-token forwards on an idle Zen 5 outlasted it
-    // now and then, slept at every barrier for the next 16+ forwards of their size and
-    // took ~8 ms more (~25 us a futex wake-up here); alternating in one process, 1,000
-    // cached tokens: 64 tokens 51.7 against 55.1 ms, 16 tokens 15.3 / 16.2.
+    // With one spin for every size, 32- and 64-token forwards on an idle machine would at
+    // times outlast it, then sleep at every barrier for the next forwards of their size,
+    // each futex wake-up adding to their time.
     const int64_t scale = T <= 4 ? 1 : T >= 64 ? 16 : T / 4;
     return s.forwards.load() >= s.skip_until.load() ? spin_ns * scale : 0;
   }
@@ -1172,7 +1166,7 @@ inline V vftz(V a) { return a; }  // MXCSR does it (FtzGuard)
 using FtzGuard = MxcsrFtz;
 // Attention tiles: R rows x n tiles (or value chunks) take R * n accumulators and n loaded
 // operands, two ymm each, beside one broadcast: n = 7 / (R + 1) keeps them in the 16 ymm
-// (R 4 x 2 tiles spilled a third of the kernel's time to the stack). Up to 6 rows a call
+// (R 4 x 2 tiles spill to the stack, a large share of the kernel's time). Up to 6 rows a call
 // (a shared task has 8 tokens x 3 query heads of a group on the default model).
 constexpr int ATT_ROWS = 6;
 constexpr int fit_ymm(int R, int most) { return 7 / (R + 1) < 1 ? 1 : 7 / (R + 1) > most ? most : 7 / (R + 1); }
@@ -1277,10 +1271,8 @@ struct BfNative {
 };
 // Attention tiles in 32 zmm: up to 6 rows x 4 accumulators (6 x 4 score tiles or value
 // chunks: 24 accumulators, 4 operands, a broadcast). Each fp16 -> fp32 widening (two
-// uops on the FMA ports) serves 6 rows instead of 4: measured on a Sapphire Rapids VM, 2
-// threads, one process alternating 4 / 5 / 6 rows a call, 16 tokens after 4,000 cached
-// 66.4 / 61.1 / 60.3 ms, after 1,300 35.2 / 34.8 / 34.1; 8 tokens 37.3 / 37.2 / 36.1
-// and 21.0 / 21.5 / 21.0 (a decode step has 3 rows: unchanged).
+// uops on the FMA ports) serves 6 rows instead of 4, which makes 16-token verifications
+// over long caches faster than 4 or 5 rows a call (a decode step has 3 rows: unchanged).
 constexpr int ATT_ROWS = 6;
 constexpr int score_tiles_for(int R) { return R <= 2 ? 4 : R <= 4 ? 2 : 4; }
 constexpr int value_chunks_for(int) { return 4; }
