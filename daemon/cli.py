@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from codespec.daemon.cli_commands import (
     CliError,
@@ -30,7 +31,9 @@ from codespec.daemon.cli_commands import (
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like argparse but without usage spam
+    def error(
+        self, message: str
+    ) -> NoReturn:  # one line, exit 2, like argparse but without usage spam
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
