@@ -87,7 +87,7 @@ class Sum:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from codespec.daemon.bench.methods import add_engine_args
+    from codespec.daemon.bench.decoding import add_engine_args
 
     p = argparse.ArgumentParser(prog="codespec bench peers", description=__doc__.splitlines()[0])
     p.add_argument("workload", nargs="*", default=["/tmp/wl/edit.jsonl"],
@@ -145,7 +145,8 @@ def find_llama(args: argparse.Namespace) -> tuple[LlamaCpp | None, Path | None, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from codespec.daemon.bench.methods import load_workload, open_engine
+    from codespec.daemon.bench.decoding import open_engine
+    from codespec.daemon.bench.workload_items import load_workload
     from codespec.speculators.registry import known
 
     args = build_parser().parse_args(argv)
@@ -188,14 +189,14 @@ class Workload:
     for llama.cpp, and the runner of each method on prompt n."""
 
     def __init__(self, engine, loaded: list[list[dict[str, Any]]], args, tmp: Path) -> None:
-        from codespec.daemon.bench.methods import _build_index, build_prompt
+        from codespec.daemon.bench.workload_items import build_index, build_prompt
 
         items = [item for wl in loaded for item in wl]
         which = [w for w, wl in enumerate(loaded) for _ in wl]  # each item's workload
         if args.limit:
             items, which = items[: args.limit], which[: args.limit]
         self.engine, self.args, self.items, self.which = engine, args, items, which
-        self.indexes = [_build_index(engine, wl) for wl in loaded]
+        self.indexes = [build_index(engine, wl) for wl in loaded]
         self.prompts = [build_prompt(engine, it, args.max_tokens, "none", args.context)
                         for it in items]  # fmt: skip
         self.texts = [engine.decode(p[0]) for p in self.prompts]
@@ -220,7 +221,7 @@ class Workload:
 
     def codespec(self, method: str, n: int) -> Timed:
         """codespec's ``method`` on prompt n, timed as ``codespec bench`` times it."""
-        from codespec.daemon.bench.methods import draft_budget, run_engine
+        from codespec.daemon.bench.decoding import draft_budget, run_engine
 
         item = self.items[n]
         prompt, max_tokens, draft_ids, heal = self.prompts[n]
