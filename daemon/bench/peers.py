@@ -42,8 +42,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from codespec.daemon.bench import llamacpp
-from codespec.daemon.bench.llamacpp import LlamaCpp, LlamaFailed, Options, PeerUnavailable, Timed
+from codespec.daemon.bench import llamacpp, llamacpp_run
+from codespec.daemon.bench.llamacpp import LlamaCpp, PeerUnavailable
+from codespec.daemon.bench.llamacpp_run import LlamaFailed, Options, Timed
 
 LLAMA_PLAIN = "llama.cpp"
 LLAMA_LOOKUP = "llama-lookup"
@@ -209,10 +210,10 @@ class Workload:
         runners: dict[str, Callable[[int], Timed]] = {}
         if llama is not None and gguf is not None:
             if llama.plain is not None:
-                runners[LLAMA_PLAIN] = lambda n: llamacpp.run_plain(llama, opts, gguf,
+                runners[LLAMA_PLAIN] = lambda n: llamacpp_run.run_plain(llama, opts, gguf,
                                                                     self.files[n])  # fmt: skip
             if llama.lookup is not None:
-                runners[LLAMA_LOOKUP] = lambda n: llamacpp.run_lookup(
+                runners[LLAMA_LOOKUP] = lambda n: llamacpp_run.run_lookup(
                     llama, opts, gguf, self.files[n], self.texts[n]
                 )
         for m in methods:
@@ -296,7 +297,7 @@ def _llama_bench(llama: LlamaCpp | None, gguf: Path | None, args) -> list[dict[s
     if llama is None or gguf is None or llama.bench is None or not args.bench_depths:
         return []
     try:
-        return llamacpp.run_bench(llama, gguf, args.bench_depths, args.bench_gen, options(args),
+        return llamacpp_run.run_bench(llama, gguf, args.bench_depths, args.bench_gen, options(args),
                                   args.bench_prompt)  # fmt: skip
     except LlamaFailed as exc:
         print(f"llama-bench skipped: {exc}", file=sys.stderr, flush=True)
