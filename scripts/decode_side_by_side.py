@@ -1,7 +1,7 @@
 """Decode steps of several GGUF models side by side in one process (not part of the product).
 
 For each model: the lean runner over the GGUF's own blocks with the products the engine
-picks (``lean.gguf_products``: int8 where the CPU has integer dot products), the weight
+picks (``lean_config.gguf_products``: int8 where the CPU has integer dot products), the weight
 bytes one decode step streams (every block matrix and the LM head: the embedding is read
 a row at a time), then for each cached depth the median time of a decode step on top of
 that many tokens, the models alternating step by step (the order flipping each round) so
@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from codespec.daemon.engine import gguf_weights
-from codespec.daemon.engine.lean import LeanRunner, gguf_products
+from codespec.daemon.engine.lean import LeanRunner
+from codespec.daemon.engine.lean_config import gguf_products
 
 
 def streamed_bytes(runner: LeanRunner) -> int:

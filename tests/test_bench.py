@@ -81,7 +81,8 @@ def test_steps_tell_where_each_methods_decode_time_went(tmp_path, capsys, model,
 
 def test_steps_count_each_prompts_fastest_round():
     """The steps counted are those of the round whose decode time counts (the fastest)."""
-    from codespec.daemon.bench.methods import Run, Step, add_steps
+    from codespec.daemon.bench.decoding import Run, Step
+    from codespec.daemon.bench.methods_report import add_steps
 
     slow = Run(3, 2, 90.0, [1, 2, 3], 10.0, [Step("ngram:context", "bonus", 4, 1, 30.0)])
     fast = Run(3, 2, 70.0, [1, 2, 3], 5.0, [Step("ngram:context", "whole", 2, 3, 20.0)])
@@ -139,7 +140,7 @@ def test_a_timed_decode_does_not_inherit_lookahead_pools(engine):
 
     The bare proposer drafts every step: the policy's controller (what ``run_engine``'s
     methods get) sizes drafts by measured time, so its forwards vary with the machine's load."""
-    from codespec.daemon.bench.methods import decode_once
+    from codespec.daemon.bench.decoding import decode_once
     from codespec.daemon.engine.engine import GenParams
     from codespec.speculators.draft import RequestInfo
     from codespec.speculators.registry import build
@@ -266,12 +267,13 @@ def test_an_exact_prediction_drafts_the_whole_output(tmp_path, capsys, model):
 def test_rounds_count_each_methods_fastest_run_and_every_rounds_output():
     """``--rounds``: a prompt's time is each method's fastest round (wall and decode time
     each), its tokens the first round's; it equals off only if every round did."""
-    from codespec.daemon.bench.methods import Run, _accumulate
+    from codespec.daemon.bench.decoding import Run
+    from codespec.daemon.bench.methods_report import accumulate
 
     off = [Run(4, 4, 90.0, [1, 2, 3, 4], 30.0), Run(4, 4, 80.0, [1, 2, 3, 4], 25.0)]
     ngram = [Run(4, 2, 50.0, [1, 2, 3, 4], 35.0), Run(4, 2, 60.0, [1, 2, 3, 9], 10.0)]
     aggs: dict = {}
-    _accumulate(aggs, {"all"}, {"off": off, "ngram": ngram})
+    accumulate(aggs, {"all"}, {"off": off, "ngram": ngram})
     a, o = aggs[("all", "ngram")], aggs[("all", "off")]
     assert (a.prompts, a.tokens, a.forwards) == (1, 4, 2)
     assert (a.ms, a.off_ms) == (50.0, 80.0)
@@ -299,7 +301,7 @@ def test_an_edit_items_drafts_get_the_daemons_edit_budget():
     """The bench verifies what the daemon would: an ``edit`` request's drafts may run to
     EDIT_DRAFT tokens (handlers raise max_draft to it), others the configured budget;
     ``NAME@K`` sets it either way."""
-    from codespec.daemon.bench.methods import draft_budget
+    from codespec.daemon.bench.decoding import draft_budget
     from codespec.daemon.prompts.completion import EDIT_DRAFT
 
     edit, completion = {"new": "x", "old": "y"}, {"prefix": "def f"}

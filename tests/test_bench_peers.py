@@ -10,37 +10,37 @@ from pathlib import Path
 
 import pytest
 
-from codespec.daemon.bench import SUBCOMMANDS, dispatch, llamacpp, peers
+from codespec.daemon.bench import SUBCOMMANDS, dispatch, llamacpp, llamacpp_run, peers
 
 DATA = Path(__file__).parent / "data" / "peers"
 
 
 def test_parse_perf_reads_llama_completion_timings():
-    perf = llamacpp.parse_perf((DATA / "llama-completion.stderr").read_text())
+    perf = llamacpp_run.parse_perf((DATA / "llama-completion.stderr").read_text())
     assert perf["prompt_tokens"] > 100 and perf["prompt_ms"] > 0
     assert perf["eval_runs"] > 0 and perf["eval_ms"] > 0
-    assert llamacpp.parse_perf("nothing here") == {}
+    assert llamacpp_run.parse_perf("nothing here") == {}
 
 
 def test_parse_lookup_reads_the_summary():
-    out = llamacpp.parse_lookup((DATA / "llama-lookup.stderr").read_text())
+    out = llamacpp_run.parse_lookup((DATA / "llama-lookup.stderr").read_text())
     assert out["encoded_tokens"] > 100 and out["encoded_s"] > 0
     assert out["decoded_tokens"] > 0 and out["decoded_s"] > 0
     assert out["n_draft"] == 10
     assert 0 <= out["n_accept"] <= out["n_drafted"]
-    assert llamacpp.parse_lookup("") == {}
+    assert llamacpp_run.parse_lookup("") == {}
 
 
 def test_parse_llama_bench_reads_its_json():
-    records = llamacpp.parse_llama_bench((DATA / "llama-bench.json").read_text())
+    records = llamacpp_run.parse_llama_bench((DATA / "llama-bench.json").read_text())
     assert [r["depth"] for r in records] == [0, 1000]
     assert all(r["gen"] == 64 and r["tokens_per_s"] > 0 for r in records)
-    assert llamacpp.parse_llama_bench("no json") == []
+    assert llamacpp_run.parse_llama_bench("no json") == []
 
 
 def test_generated_text_follows_the_echoed_prompt():
-    assert llamacpp.generated("\n\nPROMPT and more\n\n", "PROMPT") == " and more"
-    assert llamacpp.generated("just output") == "just output"
+    assert llamacpp_run.generated("\n\nPROMPT and more\n\n", "PROMPT") == " and more"
+    assert llamacpp_run.generated("just output") == "just output"
 
 
 def _fake(path: Path, script: str) -> Path:
@@ -56,13 +56,13 @@ def test_runs_time_decode_after_the_first_token(tmp_path):
     err = DATA / "llama-lookup.stderr"
     lookup = _fake(tmp_path / "llama-lookup", f"printf '\\n\\nPROMPTy = 2\\n\\n'; cat {err} >&2\n")
     llama = llamacpp.LlamaCpp(tmp_path, "0.3.36", plain, lookup, None)
-    opts = llamacpp.Options(max_tokens=40)
-    t = llamacpp.run_plain(llama, opts, tmp_path / "m.gguf", tmp_path / "p.txt")
-    perf = llamacpp.parse_perf((DATA / "llama-completion.stderr").read_text())
+    opts = llamacpp_run.Options(max_tokens=40)
+    t = llamacpp_run.run_plain(llama, opts, tmp_path / "m.gguf", tmp_path / "p.txt")
+    perf = llamacpp_run.parse_perf((DATA / "llama-completion.stderr").read_text())
     assert t.text == "x = 1" and t.decode_tokens == perf["eval_runs"] == 39 and t.tokens == 40
     assert t.decode_s == pytest.approx(perf["eval_ms"] / 1000)
     assert t.prompt_tokens == perf["prompt_tokens"]
-    t = llamacpp.run_lookup(llama, opts, tmp_path / "m.gguf", tmp_path / "p.txt", "PROMPT")
+    t = llamacpp_run.run_lookup(llama, opts, tmp_path / "m.gguf", tmp_path / "p.txt", "PROMPT")
     assert t.text == "y = 2" and t.tokens == 41 and t.decode_tokens == 40
     assert (t.drafted, t.accepted) == (44, 16)
 
@@ -70,8 +70,10 @@ def test_runs_time_decode_after_the_first_token(tmp_path):
 def test_a_crashing_binary_is_a_reason(tmp_path):
     exe = _fake(tmp_path / "llama-completion", "kill -ILL $$\n")
     llama = llamacpp.LlamaCpp(tmp_path, "0.3.36", exe, None, None)
-    with pytest.raises(llamacpp.LlamaFailed, match="signal 4"):
-        llamacpp.run_plain(llama, llamacpp.Options(), tmp_path / "m.gguf", tmp_path / "p.txt")
+    with pytest.raises(llamacpp_run.LlamaFailed, match="signal 4"):
+        llamacpp_run.run_plain(
+            llama, llamacpp_run.Options(), tmp_path / "m.gguf", tmp_path / "p.txt"
+        )
 
 
 def test_the_peers_run_without_the_wait_policy_codespec_set(tmp_path, monkeypatch):
@@ -83,9 +85,9 @@ def test_the_peers_run_without_the_wait_policy_codespec_set(tmp_path, monkeypatc
     exe = _fake(tmp_path / "llama-bench", 'printf "%s" "${OMP_WAIT_POLICY-unset}"\n')
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setattr(daemon_pkg, "OMP_WAIT_POLICY_OURS", True)
-    assert llamacpp.run_binary([str(exe)], 30)[0] == "unset"
+    assert llamacpp_run.run_binary([str(exe)], 30)[0] == "unset"
     monkeypatch.setattr(daemon_pkg, "OMP_WAIT_POLICY_OURS", False)  # the user's own
-    assert llamacpp.run_binary([str(exe)], 30)[0] == "PASSIVE"
+    assert llamacpp_run.run_binary([str(exe)], 30)[0] == "PASSIVE"
 
 
 def test_cpu_flags_name_each_feature_and_never_native_or_amx():
@@ -167,13 +169,13 @@ def test_arguments_and_defaults():
 
 def test_llama_cpp_gets_the_prompt_unescaped_and_the_same_budget(tmp_path):
     args = peers.build_parser().parse_args(["--max-tokens", "50", "--threads", "3"])
-    flags = llamacpp.common_flags(peers.options(args), tmp_path / "m.gguf", tmp_path / "p.txt")
+    flags = llamacpp_run.common_flags(peers.options(args), tmp_path / "m.gguf", tmp_path / "p.txt")
     assert flags[flags.index("-f") + 1] == str(tmp_path / "p.txt")
     assert flags[flags.index("-n") + 1] == "50" and flags[flags.index("-t") + 1] == "3"
     assert flags[flags.index("--temp") + 1] == "0"
     assert "--no-escape" in flags and "--ignore-eos" in flags
     args = peers.build_parser().parse_args(["--stop-at-eos"])
-    assert "--ignore-eos" not in llamacpp.common_flags(peers.options(args), tmp_path, tmp_path)
+    assert "--ignore-eos" not in llamacpp_run.common_flags(peers.options(args), tmp_path, tmp_path)
 
 
 def test_unknown_method_is_refused(capsys):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from codespec.daemon.client import Client
-from codespec.daemon.engine.lean import attention_for, gguf_products
+from codespec.daemon.engine.lean_config import attention_for, gguf_products
 from codespec.speculators.heads import HEADS_DIR
 
 # `serve` loads the default model: fetched (once) before a daemon starts; the daemons find it

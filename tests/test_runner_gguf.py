@@ -36,12 +36,8 @@ from ggufs import write_gguf  # noqa: E402
 
 from codespec.daemon.engine import gguf_weights, qstack, quant_gemm  # noqa: E402
 from codespec.daemon.engine.engine import HEAD_FIRST_ROWS  # noqa: E402
-from codespec.daemon.engine.lean import (  # noqa: E402
-    LeanRunner,
-    attention_for,
-    from_model_folder,
-    gguf_products,
-)
+from codespec.daemon.engine.lean import LeanRunner, from_model_folder  # noqa: E402
+from codespec.daemon.engine.lean_config import attention_for, gguf_products  # noqa: E402
 from codespec.daemon.engine.runner import HFRunner  # noqa: E402
 from codespec.speculators.draft import Draft  # noqa: E402
 from codespec.speculators.verify import verify_greedy  # noqa: E402

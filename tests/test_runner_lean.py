@@ -19,7 +19,8 @@ from transformers import (
 )
 
 from codespec.daemon.engine import cpu_gemm
-from codespec.daemon.engine.lean import LeanRunner, supports
+from codespec.daemon.engine.lean import LeanRunner
+from codespec.daemon.engine.lean_config import supports
 from codespec.daemon.engine.runner import HFRunner
 
 ATOL = 1e-4

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from codespec.daemon.bench.methods import add_engine_args, open_engine
+from codespec.daemon.bench.decoding import add_engine_args, open_engine
 
 DEFAULT_WORKLOADS = ("/tmp/wl/novel.jsonl", "/tmp/wl/completion.jsonl")
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -106,7 +106,7 @@ class Acc:
 
 
 def run_one(engine, prompt: list[int], max_tokens: int, proposer) -> tuple[list[int], Any, float]:
-    from codespec.daemon.bench.methods import decode_once
+    from codespec.daemon.bench.decoding import decode_once
     from codespec.daemon.engine.engine import GenParams
 
     return decode_once(engine, prompt, GenParams(max_tokens=max_tokens), proposer)
@@ -182,7 +182,7 @@ def _run_workload(
 ) -> list[int]:
     """Every method on the workload's prompts (alternating order, a warm-up first), summed
     into ``aggs`` under the workload's name; the prompts' lengths."""
-    from codespec.daemon.bench.methods import build_prompt, load_workload
+    from codespec.daemon.bench.workload_items import build_prompt, load_workload
 
     items = load_workload(path)
     if args.limit:

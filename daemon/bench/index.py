@@ -159,7 +159,7 @@ def bench_lookup(idx: NgramIndex, n: int, rng: random.Random) -> dict[str, float
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="codespec bench index", description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", help="tokenizer.json (default: the default model's)")
     ap.add_argument("--lines", default="1000,5000,20000", help="file sizes for the keystroke sweep")
@@ -167,8 +167,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1_000_000, help="tokens to index")
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
 
+
+def sweep_keystrokes(
+    tok: Any, files: list[Path], sweep: list[int], n: int, rng: random.Random
+) -> dict[str, dict[str, float]]:
+    """:func:`bench_keystrokes` on a file of each size in ``sweep`` (lines cut from
+    ``files``), printed as a table; the results by size."""
+    keystroke: dict[str, dict[str, float]] = {}
+    print(
+        f"{'keystroke, lines':<18}{'tokens':>9}{'p50 us':>10}{'p99 us':>10}"
+        f"{'cpu p50':>10}{'cpu p99':>10}"
+    )
+    for n_lines in sweep:
+        r = bench_keystrokes(tok, file_of_lines(files, n_lines), n, rng)
+        keystroke[str(n_lines)] = r
+        print(
+            f"{n_lines:<18}{int(r['tokens']):>9}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}"
+            f"{r['cpu_p50_us']:>10.0f}{r['cpu_p99_us']:>10.0f}"
+        )
+    return keystroke
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     rng = random.Random(args.seed)
     tok, tok_name = load_tokenizer(args.tokenizer)
     files = stdlib_files()
@@ -177,18 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [int(x) for x in args.lines.split(",") if x]
 
     print(f"tokenizer: {tok_name}", file=sys.stderr)
-    keystroke: dict[str, dict[str, float]] = {}
-    print(
-        f"{'keystroke, lines':<18}{'tokens':>9}{'p50 us':>10}{'p99 us':>10}"
-        f"{'cpu p50':>10}{'cpu p99':>10}"
-    )
-    for n_lines in sweep:
-        r = bench_keystrokes(tok, file_of_lines(shuffled, n_lines), args.keystrokes, rng)
-        keystroke[str(n_lines)] = r
-        print(
-            f"{n_lines:<18}{int(r['tokens']):>9}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}"
-            f"{r['cpu_p50_us']:>10.0f}{r['cpu_p99_us']:>10.0f}"
-        )
+    keystroke = sweep_keystrokes(tok, shuffled, sweep, args.keystrokes, rng)
 
     idx, ind = bench_indexing(tok, shuffled, args.tokens)
     print(

@@ -197,8 +197,8 @@ def first_line(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from codespec.daemon.bench.methods import load_workload
     from codespec.daemon.bench.peers import model_gguf
+    from codespec.daemon.bench.workload_items import load_workload
 
     args = build_parser().parse_args(argv)
     items = [it for w in args.workload for it in load_workload(w)

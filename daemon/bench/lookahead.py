@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from codespec.daemon.bench.methods import add_engine_args, open_engine
+from codespec.daemon.bench.decoding import add_engine_args, open_engine
 
 DEFAULT_GRID = "0,6,2;4,3,4;4,5,2;4,6,2;4,6,2,all;4,7,2;6,6,2"
 
@@ -93,7 +93,7 @@ def config(name: str) -> dict[str, Any]:
 def run_one(
     engine, prompt: list[int], max_tokens: int, proposer, uri
 ) -> tuple[list[int], Any, float]:
-    from codespec.daemon.bench.methods import decode_once
+    from codespec.daemon.bench.decoding import decode_once
     from codespec.daemon.engine.engine import GenParams
     from codespec.speculators.draft import RequestInfo
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"codespec bench lookahead: bad --grid: {exc}", file=sys.stderr)
         return 2
 
-    from codespec.daemon.bench.methods import build_prompt, load_workload
+    from codespec.daemon.bench.workload_items import build_prompt, load_workload
     from codespec.speculators.lookahead import LookaheadProposer, store_for
     from codespec.speculators.policy import Controller
 

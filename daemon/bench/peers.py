@@ -42,8 +42,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from codespec.daemon.bench import llamacpp
-from codespec.daemon.bench.llamacpp import LlamaCpp, LlamaFailed, Options, PeerUnavailable, Timed
+from codespec.daemon.bench import llamacpp, llamacpp_run
+from codespec.daemon.bench.llamacpp import LlamaCpp, PeerUnavailable
+from codespec.daemon.bench.llamacpp_run import LlamaFailed, Options, Timed
 
 LLAMA_PLAIN = "llama.cpp"
 LLAMA_LOOKUP = "llama-lookup"
@@ -87,7 +88,7 @@ class Sum:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from codespec.daemon.bench.methods import add_engine_args
+    from codespec.daemon.bench.decoding import add_engine_args
 
     p = argparse.ArgumentParser(prog="codespec bench peers", description=__doc__.splitlines()[0])
     p.add_argument("workload", nargs="*", default=["/tmp/wl/edit.jsonl"],
@@ -145,7 +146,8 @@ def find_llama(args: argparse.Namespace) -> tuple[LlamaCpp | None, Path | None, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from codespec.daemon.bench.methods import load_workload, open_engine
+    from codespec.daemon.bench.decoding import open_engine
+    from codespec.daemon.bench.workload_items import load_workload
     from codespec.speculators.registry import known
 
     args = build_parser().parse_args(argv)
@@ -188,14 +190,14 @@ class Workload:
     for llama.cpp, and the runner of each method on prompt n."""
 
     def __init__(self, engine, loaded: list[list[dict[str, Any]]], args, tmp: Path) -> None:
-        from codespec.daemon.bench.methods import _build_index, build_prompt
+        from codespec.daemon.bench.workload_items import build_index, build_prompt
 
         items = [item for wl in loaded for item in wl]
         which = [w for w, wl in enumerate(loaded) for _ in wl]  # each item's workload
         if args.limit:
             items, which = items[: args.limit], which[: args.limit]
         self.engine, self.args, self.items, self.which = engine, args, items, which
-        self.indexes = [_build_index(engine, wl) for wl in loaded]
+        self.indexes = [build_index(engine, wl) for wl in loaded]
         self.prompts = [build_prompt(engine, it, args.max_tokens, "none", args.context)
                         for it in items]  # fmt: skip
         self.texts = [engine.decode(p[0]) for p in self.prompts]
@@ -208,10 +210,10 @@ class Workload:
         runners: dict[str, Callable[[int], Timed]] = {}
         if llama is not None and gguf is not None:
             if llama.plain is not None:
-                runners[LLAMA_PLAIN] = lambda n: llamacpp.run_plain(llama, opts, gguf,
+                runners[LLAMA_PLAIN] = lambda n: llamacpp_run.run_plain(llama, opts, gguf,
                                                                     self.files[n])  # fmt: skip
             if llama.lookup is not None:
-                runners[LLAMA_LOOKUP] = lambda n: llamacpp.run_lookup(
+                runners[LLAMA_LOOKUP] = lambda n: llamacpp_run.run_lookup(
                     llama, opts, gguf, self.files[n], self.texts[n]
                 )
         for m in methods:
@@ -220,7 +222,7 @@ class Workload:
 
     def codespec(self, method: str, n: int) -> Timed:
         """codespec's ``method`` on prompt n, timed as ``codespec bench`` times it."""
-        from codespec.daemon.bench.methods import draft_budget, run_engine
+        from codespec.daemon.bench.decoding import draft_budget, run_engine
 
         item = self.items[n]
         prompt, max_tokens, draft_ids, heal = self.prompts[n]
@@ -295,7 +297,7 @@ def _llama_bench(llama: LlamaCpp | None, gguf: Path | None, args) -> list[dict[s
     if llama is None or gguf is None or llama.bench is None or not args.bench_depths:
         return []
     try:
-        return llamacpp.run_bench(llama, gguf, args.bench_depths, args.bench_gen, options(args),
+        return llamacpp_run.run_bench(llama, gguf, args.bench_depths, args.bench_gen, options(args),
                                   args.bench_prompt)  # fmt: skip
     except LlamaFailed as exc:
         print(f"llama-bench skipped: {exc}", file=sys.stderr, flush=True)

@@ -31,7 +31,8 @@ import textwrap
 from datetime import date
 from typing import Any
 
-from codespec.daemon.bench.methods import add_engine_args, load_workload, open_engine
+from codespec.daemon.bench.decoding import add_engine_args, open_engine
+from codespec.daemon.bench.workload_items import load_workload
 from codespec.daemon.text.tracker import repeats_a_piece
 
 

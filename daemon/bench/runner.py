@@ -5,7 +5,7 @@ Runners over the same model (``--runners``, those that apply):
 - ``gguf``: the lean runner on the GGUF's own blocks, exact products
   (``CODESPEC_GGUF_PRODUCTS=exact``);
 - ``gguf-i8``: the same with x rounded to int8 for the block products (llama.cpp's way;
-  not bit-equal to ``gguf``) and the attention ``lean.attention_for`` picks (bf16 where
+  not bit-equal to ``gguf``) and the attention ``lean_config.attention_for`` picks (bf16 where
   the CPU has AVX512-BF16): what the engine loads on a CPU with AVX2 or AVX-512 VNNI for a
   model made from a GGUF;
 - ``gguf-i8-fp32att``: ``gguf-i8`` with fp32 attention over an fp16 cache (the attention

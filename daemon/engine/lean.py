@@ -1,12 +1,14 @@
 """The lean runner: a hand-written forward for the Llama family over a static KV cache.
 
-Owns :class:`LeanRunner` and :func:`supports`. It loads a safetensors checkpoint
+Owns :class:`LeanRunner` and :func:`from_model_folder`. It loads a safetensors checkpoint
 (:meth:`LeanRunner.from_pretrained`) or a GGUF's own blocks (:meth:`LeanRunner.from_gguf`,
 :func:`from_model_folder`), allocates the KV cache and RoPE tables once; one forward serves
 prefill, decode and tree verification. It keeps the ``Runner`` contract of ``runner.py``
 (``HFRunner`` is the tests' reference) and knows nothing about tokenizers or proposers.
+Which configs it runs and the choices made at load from the machine (attention, a
+GGUF's products) are ``lean_config``'s.
 
-Architectures (:func:`supports`): Llama, Qwen2 (biases used where present) and Mistral
+Architectures (``lean_config.supports``): Llama, Qwen2 (biases used where present) and Mistral
 (``sliding_window`` ignored: equal while the context fits the window). Scaled or partial
 RoPE, Qwen2's sliding window and activations other than SiLU are refused.
 
@@ -17,7 +19,7 @@ Two ways to run, chosen at load:
   :meth:`LeanRunner.half_panels`) or GGUF blocks (``quant_gemm``), the whole decoder stack
   is one call per forward, over a 16-bit KV cache: fp16 with attention products in fp32,
   or, with int8 block products (the fast, inexact path) on a CPU with AVX512-BF16, bf16
-  with bf16 attention (:func:`attention_for`). Every row equals, bit for bit, the
+  with bf16 attention (``lean_config.attention_for``). Every row equals, bit for bit, the
   one-token forward at its place (verify rows equal decode rows, chains and trees), on
   every ISA and thread count.
 - **torch** (``kernels=False``, CUDA, no compiler; ``lean_torch``): q/k/v and gate/up fused,
@@ -34,53 +36,14 @@ its output *before* the final norm (``HFRunner``'s last entry is after it). Long
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from codespec.daemon.engine import cpu_gemm, gguf_weights, lean_torch, qstack, quant_gemm
+from codespec.daemon.engine.lean_config import attention_for, gguf_products, rope_params, supports
 from codespec.daemon.engine.runner import ForwardOut, check_forward, check_keep, tree_layout
-
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
-
-
-def _rope_params(config: Any) -> tuple[str, float, float]:
-    """``(rope_type, rope_theta, partial_rotary_factor)`` from a transformers 4.x or 5.x config."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
-        if "rope_theta" not in params and "rope_type" not in params:
-            return "per-layer", 0.0, 1.0  # {layer_type: {...}}: not a plain Llama
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        kind = params.get("rope_type", params.get("type", "default"))
-        partial = params.get("partial_rotary_factor", 1.0)
-    else:
-        scaling = getattr(config, "rope_scaling", None) or {}
-        theta = getattr(config, "rope_theta", 10000.0)
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        partial = getattr(config, "partial_rotary_factor", 1.0)
-    partial = getattr(config, "partial_rotary_factor", partial) or 1.0
-    return str(kind), float(theta), float(partial)
-
-
-def supports(config: Any) -> bool:
-    """Whether :class:`LeanRunner` computes exactly what Hugging Face computes for ``config``.
-
-    Llama, Qwen2 and Mistral with SiLU MLPs and plain (unscaled, full) RoPE.
-    Mistral's sliding window is treated as full attention (module docstring).
-    """
-    if getattr(config, "model_type", None) not in SUPPORTED_TYPES:
-        return False
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return False
-    kind, _, partial = _rope_params(config)
-    if kind != "default" or partial != 1.0:
-        return False
-    if config.model_type == "qwen2" and getattr(config, "use_sliding_window", False):
-        return False
-    heads, kv = int(config.num_attention_heads), int(config.num_key_value_heads or 0)
-    return kv > 0 and heads % kv == 0
 
 
 class LeanRunner:
@@ -154,7 +117,7 @@ class LeanRunner:
 
     def _rope_tables(self, config: Any) -> None:
         """cos / signed sin for every position, computed once (fp32 as HF, then cast)."""
-        _, theta, _ = _rope_params(config)
+        _, theta, _ = rope_params(config)
         d, dtype = self.head_dim, self.dtype
         inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         pos = torch.arange(self.max_length, dtype=torch.float32)
@@ -442,44 +405,6 @@ class LeanRunner:
         return lean_torch.forward_chunk(self, ids, depth, anc, taps, rows)
 
 
-def attention_for(int8: bool) -> str:
-    """The stack's attention (``qstack.ATTENTION``): ``$CODESPEC_ATTENTION`` (``fp32`` or
-    ``bf16``) when set, else ``bf16`` with int8 block products where the CPU has its own
-    bf16 dot products (:func:`qstack.native_bf16`), and ``fp32`` otherwise.
-
-    ``bf16`` rounds q, k, v and the softmax weights to bf16 and sums their exact products
-    in fp32 in AVX512-BF16's ``vdpbf16ps`` order: that instruction does half the work of
-    the fp32 path, whose FMAs bound a verification over a long cache, so such a
-    verification takes less time with it. Without it the same numbers come from two
-    FMAs a pair and cost more than fp32 (on the AVX2 and the AVX-512 path alike), so
-    there it is only had by asking. It is
-    for the path that is already inexact (int8 activations); the exact products keep fp32
-    attention over fp16, the path tested against transformers."""
-    chosen = os.environ.get("CODESPEC_ATTENTION", "").strip().lower()
-    if chosen:
-        if chosen not in qstack.ATTENTION:
-            raise ValueError(f"CODESPEC_ATTENTION is one of {sorted(qstack.ATTENTION)}")
-        return chosen
-    return "bf16" if int8 and qstack.native_bf16() else "fp32"
-
-
-def gguf_products() -> str:
-    """How a GGUF's blocks are multiplied: ``$CODESPEC_GGUF_PRODUCTS`` (``int8``,
-    ``exact`` or ``fp16``) when set, else ``int8`` where the CPU has an integer dot
-    product path (AVX2, AVX-512 VNNI) and ``exact`` where it has not.
-
-    ``int8`` rounds each activation row to int8 per 32 inputs, as llama.cpp does: decode
-    steps faster than with the exact widening, at the same completion quality
-    (``codespec bench quality``). Plain decoding with it is
-    the reference every speculative method equals, token for token."""
-    from codespec.daemon.engine import quant_gemm
-
-    products = os.environ.get("CODESPEC_GGUF_PRODUCTS", "").strip().lower()
-    if products:
-        return products
-    return "int8" if quant_gemm.i8_available() else "exact"
-
-
 def from_model_folder(
     folder: str | Path, max_length: int | None = None, int8: bool | None = None
 ) -> tuple[LeanRunner, Any] | None:
@@ -528,4 +453,4 @@ def _layer_spec(layer: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["LeanRunner", "from_model_folder", "supports"]
+__all__ = ["LeanRunner", "from_model_folder"]

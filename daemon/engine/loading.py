@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from codespec.daemon.engine import lean, models
+from codespec.daemon.engine import lean, lean_config, models
 from codespec.daemon.engine.runner import HFRunner, Runner
 
 
@@ -65,7 +65,7 @@ def load_runner(
     except Exception as exc:
         raise ModelLoadError(f"cannot read the model config in {path}: {one_line(exc)}") from exc
     if runner in ("auto", "lean"):
-        if lean.supports(config):
+        if lean_config.supports(config):
             try:
                 r = lean.LeanRunner.from_pretrained(
                     path, device=str(device), dtype=dtype, max_length=max_length

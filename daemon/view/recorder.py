@@ -3,7 +3,7 @@
 Owns: :class:`Recorder` (the ring of finished requests and the few in flight) and
 :class:`RecordingProposer`, the proposer wrapper the scheduler puts around a turn's
 proposer while the view is open. It notes what ``codespec bench --steps`` notes
-(:class:`codespec.daemon.bench.methods.StepLog`: each verified step, who drafted it,
+(:class:`codespec.daemon.bench.decoding.StepLog`: each verified step, who drafted it,
 its accepted nodes and forward ms) plus the draft's rejected path and the step's times.
 Must not touch: the engine, the scheduler's queue, sockets; text is decoded later, on
 the event loop (:mod:`.snapshot`), never on the worker thread.
