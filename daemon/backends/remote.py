@@ -35,6 +35,7 @@ from codespec.daemon.engine.engine import Engine, GenParams, Stats, Step
 from codespec.daemon.engine.loading import ModelLoadError, one_line, resolve_model_path
 from codespec.daemon.engine.tokenizer import load as load_tokenizer
 from codespec.daemon.text.specials import FimTokens, find_fim, stop_token_ids
+from codespec.speculators.target import SpeculatorState
 
 log = logging.getLogger("codespec.daemon")
 
@@ -103,6 +104,8 @@ class RemoteEngine:
         self.requests = 0  # requests sent to the server (retries and healing steps included)
         self.retried = 0
         self._count_lock = threading.Lock()
+        # nothing drafts here; ``stats``' policy section reads it as for a local engine
+        self.speculator_state = SpeculatorState()
 
     # -- what the rest of the daemon reads off an engine ----------------------------------
     # the tokenizer side is the local engine's, read off the same attributes

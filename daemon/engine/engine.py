@@ -15,6 +15,11 @@ One function per part of a request:
 - :meth:`Engine.stream`: the loop — propose, verify, yield a :class:`Step`, observe —
   with the id-level stop rules (a stop token, ``max_tokens``, cancellation).
 
+The state other layers keep per loaded model is held here, so it goes with the model; the
+engine never reads it: :attr:`Engine.speculator_state` (the policy's memory, lookahead's
+pools, the loaded EAGLE heads: :class:`~codespec.speculators.target.SpeculatorState`,
+filled by the speculators).
+
 Must not touch: sockets, documents, editors, text. Not thread-safe: the daemon
 serialises access to it (``Engine.lock``).
 """
@@ -42,6 +47,7 @@ from codespec.daemon.engine.target import ModelTarget
 from codespec.daemon.engine.tokenizer import load as load_tokenizer
 from codespec.daemon.text.specials import FimTokens, find_fim, stop_token_ids
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
+from codespec.speculators.target import SpeculatorState
 from codespec.speculators.verify import verify
 
 __all__ = ["Engine", "GenParams", "ModelLoadError", "Stats", "Step", "load_runner"]
@@ -202,6 +208,8 @@ class Engine(ModelTarget):
         # keeps them too, else that request's successor re-feeds every warmed token
         self.warm_taps: tuple[int, ...] = ()
         self.lock = threading.Lock()
+        # what speculation keeps on this model across requests (codespec.speculators)
+        self.speculator_state = SpeculatorState()
 
     # -- the tokenizer, beside the model (the decode loop never uses it) -------------------
     def encode(self, text: str) -> list[int]:
