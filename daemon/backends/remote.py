@@ -108,10 +108,13 @@ class RemoteEngine:
         self.speculator_state = SpeculatorState()
 
     # -- what the rest of the daemon reads off an engine ----------------------------------
-    # the tokenizer side is the local engine's, read off the same attributes
+    # the tokenizer side is the local engine's, read off the same attributes (its tables
+    # built on first use and kept with this engine)
     encode = Engine.encode
     decode = Engine.decode
     model_name = Engine.model_name
+    token_texts = Engine.token_texts
+    prefix_encoder = Engine.prefix_encoder
 
     @property
     def max_slots(self) -> int:

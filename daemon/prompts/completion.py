@@ -40,7 +40,6 @@ from codespec.daemon.prompts.parts import (
 )
 from codespec.daemon.text import healing
 from codespec.daemon.text.healing import heal_prompt
-from codespec.daemon.text.prefix_tokens import prefix_encoder
 from codespec.daemon.text.tracker import TextTracker
 
 TOP_TOKENS = 32  # fewer prefix tokens: the top of a file (complete_prompt's top_uri)
@@ -119,7 +118,7 @@ def complete_prompt(
     if not text.strip():
         return CompletionPrompt([])
     chars = budget * CHARS_PER_TOKEN_CAP
-    prefix_ids = prefix_encoder(engine.tokenizer).encode(head_text(text, offset, chars))
+    prefix_ids = engine.prefix_encoder.encode(head_text(text, offset, chars))
     after = text[offset : offset + chars]
     line_start = text.rfind("\n", 0, offset) + 1
     stops = next_lines(after)

@@ -35,7 +35,6 @@ from codespec.daemon.service.documents import DocumentStore
 from codespec.daemon.service.handlers import Methods
 from codespec.daemon.service.scheduler import LockedIndex, Scheduler
 from codespec.daemon.service.workspace import Workspace
-from codespec.daemon.text.healing import TokenTexts
 from codespec.speculators.policy import seed_costs
 
 log = logging.getLogger("codespec.daemon")
@@ -149,7 +148,7 @@ class Server:
         await asyncio.to_thread(index_native.available)
         # token healing's table of every token's text (~0.2 s), built now, not inside the
         # first completion whose prompt is healed
-        await asyncio.to_thread(TokenTexts.of, self.engine.tokenizer, self.engine.runner.vocab_size)
+        await asyncio.to_thread(lambda: self.engine.token_texts)
         make = Scheduler
         if remote:  # requests side by side, batched by the server
             from codespec.daemon.backends.concurrent import RemoteScheduler as make
