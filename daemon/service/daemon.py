@@ -106,6 +106,8 @@ class Server:
         self.scheduler: Scheduler | None = None
         self.workspace: Workspace | None = None
         self.snippets = crossfile.SnippetCache()
+        # the open live view (codespec.daemon.view sets and reads it; the service does not)
+        self.view: object | None = None
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[Connection] = set()
         self._stopped = asyncio.Event()
