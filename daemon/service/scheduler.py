@@ -3,7 +3,8 @@
 Owns: the request queue, the worker thread, fairness, cancellation, the
 speculation back-off under load, the text of each request across its turns
 (incremental detokenization and stop strings), and the daemon-wide decoding
-statistics. Must not touch: sockets, documents, prompts; the engine's insides
+statistics. What the last requests on each document generated (a draft source) is
+:mod:`.recent`'s. Must not touch: sockets, documents, prompts; the engine's insides
 (it only calls ``Engine.stream`` under ``Engine.lock``).
 
 Fairness: round-robin with a quantum. The engine has one KV cache, so two
@@ -53,6 +54,7 @@ from codespec.daemon.service.protocol import (
     OVERLOADED,
     ProtocolError,
 )
+from codespec.daemon.service.recent import RecentOutputs
 from codespec.daemon.text.tracker import TextTracker
 from codespec.speculators.draft import RequestInfo
 from codespec.speculators.registry import make_proposer
@@ -114,43 +116,6 @@ class Job:
     turns: int = 0
     speculation_used: str = ""
     totals: Stats = field(default_factory=Stats)
-
-
-class RecentOutputs:
-    """What the last requests on each document generated: a draft source for the next
-    request there (``RequestInfo.recent_ids``, the n-gram proposer's ``ngram:recent``).
-    Typing what the ghost text showed asks for that text again, shifted by the keys
-    typed; a jump away and back asks for it again unchanged.
-
-    Per document the last ``per_doc`` outputs, each after the last ``tail`` tokens of
-    its prompt (the next request's context ends where an output began, plus what was
-    typed, so it matches into it), newest last; at most ``docs`` documents, the least
-    recently used dropped. The worker thread alone reads and writes it.
-    """
-
-    def __init__(self, docs: int = 64, per_doc: int = 4, tail: int = 16) -> None:
-        self.docs, self.per_doc, self.tail = docs, per_doc, tail
-        self._by_uri: collections.OrderedDict[str, list[list[int]]] = collections.OrderedDict()
-
-    def add(self, uri: str | None, prompt_ids: list[int], out_ids: list[int]) -> None:
-        if not uri or not out_ids:
-            return
-        kept = self._by_uri.pop(uri, [])
-        kept = [*kept, [*prompt_ids[-self.tail :], *out_ids]][-self.per_doc :]
-        self._by_uri[uri] = kept
-        while len(self._by_uri) > self.docs:
-            self._by_uri.popitem(last=False)
-
-    def get(self, uri: str | None) -> list[int] | None:
-        """The document's recent outputs in one sequence, oldest first; None if none."""
-        kept = self._by_uri.get(uri) if uri else None
-        if not kept:
-            return None
-        self._by_uri.move_to_end(uri)  # type: ignore[arg-type]
-        return [t for seq in kept for t in seq]
-
-    def __len__(self) -> int:
-        return len(self._by_uri)
 
 
 # Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight
