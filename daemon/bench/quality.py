@@ -87,17 +87,14 @@ class Runner:
             store.open(d["uri"], d["text"], 1, "python")
         doc = store.open(item["uri"], item["prefix"] + item.get("suffix", ""), 1, "python")
         max_tokens = int(item.get("max_tokens", 64)) if multiline else 48
-        prep = completion.prepare_complete(
-            self.engine,
-            store,
-            self.snippets,
-            doc,
-            len(item["prefix"]),
-            max_tokens,
-            multiline,
-            self.context_tokens,
-            variant,
+        req = completion.CompleteRequest(
+            offset=len(item["prefix"]),
+            max_tokens=max_tokens,
+            multiline=multiline,
+            context_tokens=self.context_tokens,
+            context=variant,
         )
+        prep = completion.prepare_complete(self.engine, store, self.snippets, doc, req)
         job = prepared_job(prep, GenParams(max_tokens=max_tokens), self.speculation,
                            "complete", item["uri"])  # fmt: skip
         result = self.scheduler.submit(job).result()

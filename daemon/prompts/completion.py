@@ -212,41 +212,56 @@ def repo_paths(uri: str, others: list[str]) -> tuple[str, str, list[str]]:
 CONTEXTS = ("none", "header", "crossfile")
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompleteRequest:
+    """What a completion asks for besides its document (:func:`prepare_complete`).
+
+    ``offset``: the cursor in the document's text; ``max_tokens``: the output the prompt
+    leaves room for; ``multiline``: else the completion stops at a line break;
+    ``context_tokens``: the prompt's most tokens (snippets get a third of it);
+    ``context``: the layout, one of :data:`CONTEXTS` (``none``: the prefix alone,
+    ``header``: under a ``<file_sep>path`` line, ``crossfile``: after snippets of the
+    other recent documents); ``stop``: stop strings besides the line break.
+    """
+
+    offset: int
+    max_tokens: int
+    multiline: bool
+    context_tokens: int
+    context: str = "none"
+    stop: tuple[str, ...] = ()
+
+
 def prepare_complete(
     engine: Any,
     documents: Any,
     snippets: crossfile.SnippetCache,
     doc: Any,
-    offset: int,
-    max_tokens: int,
-    multiline: bool,
-    context_tokens: int,
-    context: str = "none",
-    stop: list[str] | None = None,
+    req: CompleteRequest,
 ) -> Prepared:
-    """A completion at ``offset`` of the open document ``doc``: the prompt, the healing
+    """A completion ``req`` in the open document ``doc``: the prompt, the healing
     constraint, the stop rules (single-line completions stop at a line break).
-    ``context``: ``none`` (the prefix alone), ``header`` (under a ``<file_sep>path``
-    line) or ``crossfile`` (after snippets of the other recent ``documents``).
+    ``documents``: the open documents crossfile snippets come from.
     """
+    context = req.context
     if context not in CONTEXTS:
         raise ValueError(f"context must be one of {', '.join(CONTEXTS)}")
     picked: list[crossfile.Snippet] = []
     if context == "crossfile":
         others = [(d.uri, d.version, d.text) for d in documents.recent(exclude=doc.uri)]
         # characters: about a third of the prompt's token budget
-        picked = snippets.snippets(doc.uri, doc.text, offset, others, context_tokens)
+        picked = snippets.snippets(doc.uri, doc.text, req.offset, others, req.context_tokens)
     cp = complete_prompt(
         engine,
         doc.text,
-        offset,
-        max_tokens,
-        context_tokens,
+        req.offset,
+        req.max_tokens,
+        req.context_tokens,
         uri=doc.uri if context != "none" else "",
         snippets=picked,
         top_uri=doc.uri,
     )
-    stops = list(stop or []) if multiline else ["\n", "\r", *(stop or [])]
+    stops = list(req.stop) if req.multiline else ["\n", "\r", *req.stop]
     tracker = TextTracker(
         engine.tokenizer.backend_tokenizer,
         cp.prompt_ids,

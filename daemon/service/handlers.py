@@ -228,12 +228,15 @@ class Methods:
         if uri not in srv.documents or srv.scheduler is None:
             return
         doc = srv.documents.get(uri)
+        req = completion.CompleteRequest(
+            offset=min(offset, len(doc.text)),
+            max_tokens=limits.LINE_TOKENS,
+            multiline=False,
+            context_tokens=srv.config.limits.context_tokens,
+            context=srv.config.completion.context,
+        )
         try:
-            prep = completion.prepare_complete(
-                srv.engine, srv.documents, srv.snippets, doc, min(offset, len(doc.text)),
-                limits.LINE_TOKENS, False, srv.config.limits.context_tokens,
-                srv.config.completion.context,
-            )  # fmt: skip
+            prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
         except ProtocolError:  # no room for a prompt
             return
         if prep.prompt_ids:  # empty: nothing to complete from
@@ -267,18 +270,15 @@ class Methods:
         params, speculation = self._sampling(p, limits.default_tokens(p.multiline))
         srv = self.srv
         doc = srv.documents.get(p.uri, p.version)
-        prep = completion.prepare_complete(
-            srv.engine,
-            srv.documents,
-            srv.snippets,
-            doc,
-            doc.offset(p.position.as_dict()),
-            params.max_tokens,
-            p.multiline,
-            srv.config.limits.context_tokens,
-            srv.config.completion.context,
-            list(p.stop),
+        req = completion.CompleteRequest(
+            offset=doc.offset(p.position.as_dict()),
+            max_tokens=params.max_tokens,
+            multiline=p.multiline,
+            context_tokens=srv.config.limits.context_tokens,
+            context=srv.config.completion.context,
+            stop=tuple(p.stop),
         )
+        prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
         if not prep.prompt_ids:  # a blank document: nothing to complete, not an error
             stats = Stats(finish_reason="stop").as_dict()
             return {"text": "", "finish_reason": "stop", "stats": stats}
