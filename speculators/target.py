@@ -134,13 +134,26 @@ class TargetModel(StateHolder, Protocol):
       pools and the loaded heads live in it (:class:`SpeculatorState`).
     """
 
-    model_path: str | Path
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    max_length: int
-    device: torch.device
-    dtype: torch.dtype
+    @property
+    def model_path(self) -> str | Path: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def max_length(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     def embedding(self) -> torch.Tensor: ...
 

@@ -29,10 +29,13 @@ import json
 import sys
 import textwrap
 from datetime import date
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from codespec.daemon.bench.methods import add_engine_args, load_workload, open_engine
 from codespec.daemon.text.tracker import repeats_a_piece
+
+if TYPE_CHECKING:
+    from codespec.daemon.engine.engine import Engine
 
 
 def loops(text: str) -> bool:
@@ -63,7 +66,7 @@ def parses(header: str, body: str) -> bool:
 class Runner:
     """The daemon's completion path without the socket, over one engine."""
 
-    def __init__(self, engine: Any, speculation: str, context_tokens: int) -> None:
+    def __init__(self, engine: Engine, speculation: str, context_tokens: int) -> None:
         from codespec.daemon.config import Speculation
         from codespec.daemon.prompts.crossfile import SnippetCache
         from codespec.daemon.service.scheduler import Scheduler
@@ -172,7 +175,7 @@ def _score(runner: Runner, item: dict[str, Any], variant: str, r: dict[str, Any]
     r["cut"] += int(runner.last_cut)
 
 
-def _report(rows: dict[str, dict[str, Any]], engine: Any, args: argparse.Namespace) -> None:
+def _report(rows: dict[str, dict[str, Any]], engine: Engine, args: argparse.Namespace) -> None:
     """The table, then one JSON line."""
     print(
         f"codespec bench quality ({date.today()}, model {engine.model_name}, "

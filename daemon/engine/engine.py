@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -55,7 +55,7 @@ from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
 from codespec.speculators.target import SpeculatorState
 from codespec.speculators.verify import verify
 
-__all__ = ["Engine", "GenParams", "ModelLoadError", "Stats", "Step", "load_runner"]
+__all__ = ["Constraint", "Engine", "GenParams", "ModelLoadError", "Stats", "Step", "load_runner"]
 
 Constraint = Callable[[list[int]], torch.Tensor | None]
 
@@ -369,7 +369,7 @@ class Engine(ModelTarget):
         proposer: Proposer | None = None,
         info: RequestInfo | None = None,
         cancel: threading.Event | None = None,
-    ) -> Iterator[Step]:
+    ) -> Generator[Step, None, None]:
         """Generate from ``prompt_ids``, yielding one :class:`Step` per target forward.
 
         Ends at a stop token (``stop``), ``max_tokens`` (``length``) or ``cancel``

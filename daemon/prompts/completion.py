@@ -16,7 +16,6 @@ import posixpath
 import re
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any
 
 from codespec.daemon.errors import BAD_PARAMS, ProtocolError
 from codespec.daemon.prompts import crossfile, fim
@@ -33,13 +32,16 @@ from codespec.daemon.prompts.edit import (  # noqa: F401 (the edit side, importa
 from codespec.daemon.prompts.parts import (
     CHARS_PER_TOKEN_CAP,
     SUFFIX_TOKENS,
+    OpenDocument,
     Prepared,
+    RecentDocuments,
     head_text,
     next_lines,
     window_prefix,
 )
 from codespec.daemon.text import healing
 from codespec.daemon.text.healing import heal_prompt
+from codespec.daemon.text.protocols import TextModel
 from codespec.daemon.text.tracker import TextTracker
 
 TOP_TOKENS = 32  # fewer prefix tokens: the top of a file (complete_prompt's top_uri)
@@ -78,14 +80,14 @@ def file_label(uri: str) -> str:
     return "/".join(parts[-2:]) or "untitled"
 
 
-def _repo_layout(engine: Any) -> bool:
+def _repo_layout(engine: TextModel) -> bool:
     """Whether the tokenizer has StarCoder-style ``<file_sep>`` (repository-level data).
     (One lookup: ``get_vocab()`` copied the 49k-entry vocabulary, ~1 ms a keystroke.)"""
     return engine.tokenizer.backend_tokenizer.token_to_id(FILE_SEP) is not None
 
 
 def complete_prompt(
-    engine: Any,
+    engine: TextModel,
     text: str,
     offset: int,
     max_tokens: int,
@@ -141,7 +143,7 @@ def complete_prompt(
 
 
 def _file_sep_head(
-    engine: Any, uri: str, snippets: list[crossfile.Snippet], budget: int
+    engine: TextModel, uri: str, snippets: list[crossfile.Snippet], budget: int
 ) -> tuple[list[int], list[crossfile.Snippet]]:
     """A left-to-right prompt's head where the tokenizer has ``<file_sep>`` and there is a
     file or snippets: each snippet (a third of ``budget`` at most) and then the current
@@ -161,7 +163,7 @@ def _file_sep_head(
 
 
 def _fim_complete(
-    engine: Any,
+    engine: TextModel,
     prefix_ids: list[int],
     after: str,
     budget: int,
@@ -233,10 +235,10 @@ class CompleteRequest:
 
 
 def prepare_complete(
-    engine: Any,
-    documents: Any,
+    engine: TextModel,
+    documents: RecentDocuments,
     snippets: crossfile.SnippetCache,
-    doc: Any,
+    doc: OpenDocument,
     req: CompleteRequest,
 ) -> Prepared:
     """A completion ``req`` in the open document ``doc``: the prompt, the healing
@@ -277,7 +279,7 @@ def prepare_complete(
     return Prepared(cp.prompt_ids, healing.constraint(engine, cp.heal), tracker)
 
 
-def _markdown(doc: Any) -> bool:
+def _markdown(doc: OpenDocument) -> bool:
     """Whether ``doc`` is Markdown, where a code fence is text, not the end of an answer."""
     language = (getattr(doc, "language", "") or "").lower()
     return language in MARKDOWN or doc.uri.lower().endswith((".md", ".markdown", ".mdx"))

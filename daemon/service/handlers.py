@@ -22,6 +22,7 @@ import torch
 from codespec.daemon.engine import cpu_gemm, quant_gemm
 from codespec.daemon.engine.engine import GenParams, Stats
 from codespec.daemon.engine.footprint import flat_weights
+from codespec.daemon.engine.protocols import DecodingEngine
 from codespec.daemon.prompts import completion, limits
 from codespec.daemon.service import protocol as proto
 from codespec.daemon.service.connection import Connection, Handler, Waiting, cancelled_frame
@@ -52,12 +53,12 @@ METHODS = (
 Params = Mapping[str, Any]
 # Socket methods of parts above the service (codespec.daemon.view adds "view"), which the
 # service imports nothing of: name -> fn(server, params), a result map or an awaitable one.
-ADDED_METHODS: dict[str, Callable[[Any, Params], Any]] = {}
+ADDED_METHODS: dict[str, Callable[[Server, Params], Any]] = {}
 
 
-def cpu_kernel(engine: Any) -> str:
+def cpu_kernel(engine: DecodingEngine) -> str:
     """``cpu_gemm`` when the runner's products use the CPU kernel, else why not."""
-    runner = engine.runner
+    runner: Any = engine.runner  # a local runner's weights and kernels, where it has them
     if getattr(runner, "gguf", False):  # the GGUF's own blocks, by type
         mats = flat_weights([runner.lm_head_t, runner.layers])
         kinds = sorted({w.qtype for w in mats if isinstance(w, quant_gemm.QuantMatrix)})

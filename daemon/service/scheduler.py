@@ -44,9 +44,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from codespec.daemon.engine.engine import GenParams, Stats
+from codespec.daemon.config import Speculation
+from codespec.daemon.engine.engine import Constraint, GenParams, Stats
+from codespec.daemon.engine.protocols import DecodingEngine
+from codespec.daemon.prompts.parts import Prepared
 from codespec.daemon.service.protocol import (
     BAD_PARAMS,
     CANCELLED,
@@ -56,8 +59,12 @@ from codespec.daemon.service.protocol import (
 )
 from codespec.daemon.service.recent import RecentOutputs
 from codespec.daemon.text.tracker import TextTracker
-from codespec.speculators.draft import RequestInfo
+from codespec.speculators.draft import Proposer, RequestInfo
 from codespec.speculators.registry import make_proposer
+
+if TYPE_CHECKING:
+    from codespec.ngram_index import NgramIndex
+    from codespec.speculators.target import TargetModel
 
 log = logging.getLogger("codespec.daemon")
 
@@ -68,7 +75,7 @@ class LockedIndex:
     """The n-gram index behind a lock: proposers look up on the worker thread while the
     event loop and the workspace watcher mutate it."""
 
-    def __init__(self, index: Any, lock: threading.Lock) -> None:
+    def __init__(self, index: NgramIndex, lock: threading.Lock) -> None:
         self._index = index
         self.lock = lock
 
@@ -123,14 +130,16 @@ class Job:
 WARM_CHUNK = 32
 
 
-def prepared_job(prep: Any, params: GenParams, speculation: str, kind: str, uri: str) -> Job:
+def prepared_job(prep: Prepared, params: GenParams, speculation: str, kind: str, uri: str) -> Job:
     """A job for a request :mod:`codespec.daemon.prompts.completion` prepared."""
     params.constraint = prep.constraint
     return Job(prep.prompt_ids, params, speculation, kind, uri, prep.draft_ids,
                tracker=prep.tracker)  # fmt: skip
 
 
-def speculation_policy(requested: str, max_draft: int, active: int, cfg: Any) -> tuple[str, int]:
+def speculation_policy(
+    requested: str, max_draft: int, active: int, cfg: Speculation
+) -> tuple[str, int]:
     """(proposer name, max draft) for a request when ``active`` requests compete."""
     if requested == "off" or active >= cfg.off_at:
         return "off", 0
@@ -139,15 +148,33 @@ def speculation_policy(requested: str, max_draft: int, active: int, cfg: Any) ->
     return requested, max_draft
 
 
-def _resumed(constraint: Any, done: list[int]) -> Any:
+def _resumed(constraint: Constraint | None, done: list[int]) -> Constraint | None:
     """A constraint over a request's whole output, for a turn that starts after ``done``."""
     if constraint is None:
         return None
     return lambda ids: constraint(done + ids)
 
 
+class TurnRecorder(Protocol):
+    """What the scheduler tells an open live view (``codespec.daemon.view``'s Recorder, which
+    the service imports nothing of): each turn's proposer, wrapped to note its steps, and
+    each request's end."""
+
+    def wrap(
+        self, job: Job, proposer: Proposer | None, name: str, max_draft: int, active: int
+    ) -> Proposer | None: ...
+
+    def finish(self, job: Job, finish: str) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, engine: Any, index: LockedIndex | None, spec_cfg: Any, max_queue: int):
+    def __init__(
+        self,
+        engine: DecodingEngine,
+        index: LockedIndex | None,
+        spec_cfg: Speculation,
+        max_queue: int,
+    ) -> None:
         self.engine = engine
         self.index = index
         self.cfg = spec_cfg
@@ -169,7 +196,7 @@ class Scheduler:
         self.recent = RecentOutputs()  # what requests generated, per document: drafts
         self.warmed = 0
         self.warmed_tokens = 0
-        self.view: Any = None  # the open live view's Recorder (codespec.daemon.view), else None
+        self.view: TurnRecorder | None = None  # the open live view's recorder, else None
 
     # -- API (any thread) ---------------------------------------------------------------
     def start(self) -> None:
@@ -340,7 +367,7 @@ class Scheduler:
             self._queue.append(job)
             self._cond.notify_all()
 
-    def _plan(self, job: Job) -> tuple[Any, GenParams, RequestInfo]:
+    def _plan(self, job: Job) -> tuple[Proposer | None, GenParams, RequestInfo]:
         """This turn's proposer (speculation backs off under load), parameters and info:
         the request resumes after what it generated in earlier turns."""
         with self._cond:
@@ -350,7 +377,9 @@ class Scheduler:
         )
         # a remote engine (codespec.daemon.backends) speculates on its server: no proposer
         remote = getattr(self.engine, "remote", False)
-        proposer = None if remote else make_proposer(name, self.engine, self.index)
+        proposer: Proposer | None = None
+        if not remote:  # the daemon's own engine: the target model proposers read
+            proposer = make_proposer(name, cast("TargetModel", self.engine), self.index)
         if (view := self.view) is not None:  # the view notes this turn's steps
             proposer = view.wrap(job, proposer, name, max_draft, active)
         job.speculation_used = job.speculation_used or name
@@ -378,7 +407,7 @@ class Scheduler:
         return proposer, params, info
 
     def _decode(
-        self, job: Job, proposer: Any, params: GenParams, info: RequestInfo
+        self, job: Job, proposer: Proposer | None, params: GenParams, info: RequestInfo
     ) -> tuple[str, Stats | None]:
         """One turn of decoding under the engine lock: ``(finish reason or "" when
         preempted, the turn's stats)``. Text goes out as it is read back."""

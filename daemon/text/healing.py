@@ -27,9 +27,10 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+
+from codespec.daemon.text.protocols import TextModel, Tokenizer
 
 
 class TokenTexts:
@@ -42,7 +43,7 @@ class TokenTexts:
     49k) took 7-11 ms of each completion whose cursor follows a word.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         backend = tokenizer.backend_tokenizer
         specials = set(getattr(tokenizer, "all_special_ids", []) or [])
         for tid, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
@@ -108,14 +109,14 @@ class Healing:
         return mask
 
 
-def constraint(engine: Any, text: str) -> Healing | None:
+def constraint(engine: TextModel, text: str) -> Healing | None:
     """The healing constraint for ``text`` backed off a prompt (None for nothing)."""
     if not text:
         return None
     return Healing(engine.token_texts, text)
 
 
-def heal_prompt(engine: Any, ids: list[int]) -> tuple[list[int], str]:
+def heal_prompt(engine: TextModel, ids: list[int]) -> tuple[list[int], str]:
     """Back off the prompt's last token when healing can regrow it: ``(ids, text)``.
 
     The last token stays when it is special or not a whole piece of text, or when

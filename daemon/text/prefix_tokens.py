@@ -48,6 +48,8 @@ from typing import Any
 
 from tokenizers import normalizers, pre_tokenizers
 
+from codespec.daemon.text.protocols import Tokenizer
+
 __all__ = ["PrefixEncoder"]
 
 KEPT = 8  # texts before a cursor line kept (several documents, an edit's spots)
@@ -116,7 +118,7 @@ class PrefixEncoder:
     the last :data:`KEPT` texts seen, or encodes and keeps them.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.backend = tokenizer.backend_tokenizer
         self.boundary = split_rule(self.backend)
         self.exact = self.boundary is not None
