@@ -1,6 +1,7 @@
 """What the speculation policy has measured, per target model: the policy's memory.
 
-Owns :class:`PolicyStore` (one per target model: the forward costs, the rest of
+Owns :class:`PolicyStore` (one per target model, kept in its
+``speculator_state``: the forward costs, the rest of
 a step, each proposer's own time, which proposers can be built and which are
 retired for now, and :class:`Book` s of acceptance and realised speed per
 document and engine-wide, per temperature class), the back-off schedule every
@@ -13,13 +14,13 @@ temperatures (rejection sampling accepts less than greedy matching).
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from codespec.speculators.acceptance import Acceptance
 from codespec.speculators.costs import ForwardCosts, Line
+from codespec.speculators.target import StateHolder
 
 __all__ = [
     "Avg",
@@ -160,29 +161,24 @@ class PolicyStore:
         return book, glob
 
 
-_STORES: weakref.WeakKeyDictionary[Any, PolicyStore] = weakref.WeakKeyDictionary()
-
-
-def store_for(target: Any) -> PolicyStore:
-    """The store living with ``target`` (a fresh one each time when there is none)."""
+def store_for(target: StateHolder | None) -> PolicyStore:
+    """The store kept on ``target`` (its ``speculator_state``), made on first use; a fresh
+    one each time when there is no target."""
     if target is None:
         return PolicyStore()
-    store = _STORES.get(target)
-    if store is None:
-        store = _STORES[target] = PolicyStore()
-    return store
+    return target.speculator_state.get(PolicyStore)
 
 
-def forget(target: Any) -> None:
+def forget(target: StateHolder) -> None:
     """Drop what the policy has learnt on ``target`` (its next request starts afresh)."""
-    _STORES.pop(target, None)
+    target.speculator_state.drop(PolicyStore)
 
 
-def measured(target: Any) -> dict[str, Any]:
+def measured(target: StateHolder | None) -> dict[str, Any]:
     """What the policy measured on ``target``, for ``stats``: forward ms by size, and per
     temperature class the plain step's ms, each proposer's speed against plain decoding's
     (tokens per ms of the steps it was in charge of, over a plain step's), the retired."""
-    store = _STORES.get(target)
+    store = target.speculator_state.find(PolicyStore) if target is not None else None
     if store is None:
         return {"forward_ms": {}}
     measured_plain = bool(store.costs.known()) and store.rest.n > 0

@@ -5,7 +5,8 @@ Owns: :class:`EagleProposer` (the Proposer protocol with ``taps``,
 draft-tree growth (:func:`grow_draft`, EAGLE-2's dynamic tree; a chain when
 ``topk`` is 1), and finding the head shipped beside a model
 (:func:`head_dir`: ``MODEL/eagle``, else the head shipped for the model's exact
-weights in ``heads/``; :func:`load_runtime`, loaded once per target model).
+weights in ``heads/``; :func:`load_runtime`, loaded once per target model and kept
+in its ``speculator_state``).
 
 Must not touch: the target model or its cache, verification, the engine's
 loop, how deep to draft or whether to draft at all (the policy chooses the
@@ -35,7 +36,6 @@ cost grows with them); positions keep their absolute values.
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +51,7 @@ from codespec.speculators.target import TargetModel
 __all__ = [
     "EagleProposer",
     "EagleRuntime",
+    "LoadedHeads",
     "NoEagleHead",
     "NoEagleWeights",
     "grow_draft",
@@ -101,16 +102,19 @@ def measured_acceptance(where: Path) -> tuple[float, ...]:
     return rates if all(0.0 < r <= 1.0 for r in rates) else ()
 
 
-_RUNTIMES: weakref.WeakKeyDictionary[Any, dict[str, EagleRuntime]] = weakref.WeakKeyDictionary()
+class LoadedHeads(dict[str, EagleRuntime]):
+    """The EAGLE heads loaded for one target model, by folder: its ``speculator_state``'s
+    part (:class:`~codespec.speculators.target.SpeculatorState`)."""
 
 
 def load_runtime(target: TargetModel | None, path: str | Path | None = None) -> EagleRuntime:
     """The head for ``target``'s model (``MODEL/eagle`` unless ``path``), loaded once per
-    target model and folder and dropped with the target."""
+    target model and folder: kept in ``target.speculator_state`` (:class:`LoadedHeads`),
+    it goes with the target."""
     if target is None:
         raise NoEagleHead("the eagle proposer needs a target model (its hidden states)")
     where = Path(path) if path is not None else head_dir(target.model_path)
-    loaded = _RUNTIMES.setdefault(target, {})
+    loaded = target.speculator_state.get(LoadedHeads)
     key = str(where.resolve())
     if key not in loaded:
         loaded[key] = _load_runtime(target, where)

@@ -3,7 +3,8 @@
 Owns: :class:`LookaheadProposer` (the Proposer protocol), the Jacobi window and
 its update (:func:`jacobi_step`, a pure function), the n-gram pool
 (:class:`NgramPool`) and the bounded per-engine store of pools, one per
-document (:class:`PoolStore`, :func:`store_for`). Must not touch: models,
+document (:class:`PoolStore`, kept in the target's ``speculator_state``:
+:func:`store_for`). Must not touch: models,
 KV caches, verification, the engine's loop, the index's contents (it only
 calls :meth:`NgramIndex.lookup`).
 
@@ -75,12 +76,12 @@ or the pool alone (W = 0), does about as well as 2,4,2.
 from __future__ import annotations
 
 import random
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from codespec.speculators.draft import ROW_READERS, Draft, RequestInfo, StepResult
+from codespec.speculators.target import StateHolder
 
 __all__ = [
     "LookaheadProposer",
@@ -176,18 +177,15 @@ class PoolStore:
         self._pools.clear()
 
 
-_STORES: weakref.WeakKeyDictionary[Any, PoolStore] = weakref.WeakKeyDictionary()
-_NO_ENGINE = PoolStore()
+_NO_ENGINE = PoolStore()  # the pools of proposers made without an engine (tests, benches)
 
 
-def store_for(engine: Any) -> PoolStore:
-    """The pool store living with ``engine`` (one shared store when there is no engine)."""
+def store_for(engine: StateHolder | None) -> PoolStore:
+    """The pool store kept on ``engine`` (its ``speculator_state``), made on first use; one
+    shared store when there is no engine."""
     if engine is None:
         return _NO_ENGINE
-    store = _STORES.get(engine)
-    if store is None:
-        store = _STORES[engine] = PoolStore()
-    return store
+    return engine.speculator_state.get(PoolStore)
 
 
 def window_nodes(columns: int, levels: int) -> int:
@@ -411,6 +409,6 @@ class LookaheadProposer:
                     row[j] = self._levels[lev - 1][j]
 
 
-def make(engine: Any, index: Any = None, **kw: Any) -> LookaheadProposer:
+def make(engine: StateHolder | None, index: Any = None, **kw: Any) -> LookaheadProposer:
     """The registry's factory: a proposer whose pools live with ``engine``."""
     return LookaheadProposer(store=store_for(engine), index=index, **kw)

@@ -78,6 +78,7 @@ from codespec.speculators.book import (
 )
 from codespec.speculators.costs import Line
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
+from codespec.speculators.target import StateHolder
 from codespec.speculators.weights import weights_summary
 
 __all__ = ["Controller", "seed_costs", "summary"]
@@ -93,14 +94,14 @@ ENOUGH = 1.0  # expected tokens of a cheap offer after which later cheap ones ar
 TEMPERATURE_PRIOR = 0.75  # a sampled class's first estimate: greedy's, times this
 
 
-def seed_costs(target: Any, table: Mapping[int, float]) -> None:
+def seed_costs(target: StateHolder, table: Mapping[int, float]) -> None:
     """Hand the policy timed target forwards, ``{tokens: ms}``, as its prior for
     ``target``'s costs before any step is measured (the daemon calls it once, at start,
     with the engine's timings)."""
     store_for(target).costs.seed(table)
 
 
-def summary(target: Any) -> dict[str, Any]:
+def summary(target: StateHolder | None) -> dict[str, Any]:
     """The policy section of ``stats``: what it measured on ``target`` (forward ms by size;
     per temperature class the plain step's ms and each proposer's speed against plain
     decoding's; the retired; steps) and per model proposer whether the model has weights
@@ -159,7 +160,7 @@ class Controller:
 
     def __init__(
         self,
-        target: Any,
+        target: StateHolder | None,
         children: Mapping[str, Proposer],
         store: PolicyStore | None = None,
         name: str = "auto",

@@ -17,25 +17,26 @@ from typing import Any
 from codespec.speculators.book import store_for
 from codespec.speculators.draft import Proposer
 from codespec.speculators.policy import Controller
+from codespec.speculators.target import TargetModel
 
 __all__ = ["FACTORIES", "UnknownProposer", "build", "choices", "known", "make_proposer", "names"]
 
-Factory = Callable[[Any, Any], Proposer]
+Factory = Callable[[TargetModel | None, Any], Proposer]
 
 
-def _ngram(target: Any, index: Any) -> Proposer:
+def _ngram(target: TargetModel | None, index: Any) -> Proposer:
     from codespec.speculators.ngram import NgramProposer
 
     return NgramProposer(index=index)
 
 
-def _lookahead(target: Any, index: Any) -> Proposer:
+def _lookahead(target: TargetModel | None, index: Any) -> Proposer:
     from codespec.speculators.lookahead import make
 
     return make(target, index)
 
 
-def _eagle(target: Any, index: Any) -> Proposer:
+def _eagle(target: TargetModel | None, index: Any) -> Proposer:
     from codespec.speculators.eagle import EagleProposer
 
     return EagleProposer.load(target)
@@ -73,7 +74,7 @@ def choices() -> str:
     return ", ".join([*names(), "auto-NAME"])
 
 
-def build(name: str, target: Any = None, index: Any = None) -> Proposer:
+def build(name: str, target: TargetModel | None = None, index: Any = None) -> Proposer:
     """The bare proposer ``name`` (no policy: it drafts every step, all it can).
 
     A model proposer without weights for ``target``'s model raises
@@ -86,7 +87,9 @@ def build(name: str, target: Any = None, index: Any = None) -> Proposer:
     return factory(target, index)
 
 
-def make_proposer(name: str, target: Any = None, index: Any = None) -> Controller | None:
+def make_proposer(
+    name: str, target: TargetModel | None = None, index: Any = None
+) -> Controller | None:
     """The policy's controller for ``name``; ``None`` for "off" (plain decoding)."""
     if name == "off":
         return None
@@ -98,7 +101,7 @@ def make_proposer(name: str, target: Any = None, index: Any = None) -> Controlle
     return Controller(target, {name: build(name, target, index)}, store_for(target), name=name)
 
 
-def _auto(target: Any, index: Any, left_out: tuple[str, ...] = ()) -> Controller:
+def _auto(target: TargetModel | None, index: Any, left_out: tuple[str, ...] = ()) -> Controller:
     """The controller over the n-gram proposer and every other proposer ``target``'s model
     has (one without weights is left out and the store says why; a retired one is not
     built; ``left_out`` ones are not built). Without a target (nothing to measure or read

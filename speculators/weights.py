@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from codespec.speculators.eagle import head_dir
+from codespec.speculators.target import TargetModel
 
 __all__ = ["MODEL_PROPOSERS", "WEIGHT_DIRS", "weights", "weights_summary"]
 
@@ -22,7 +23,7 @@ WEIGHT_DIRS: dict[str, Callable[[str | Path], Path]] = {"eagle": head_dir}
 MODEL_PROPOSERS = ("eagle", "lookahead")
 
 
-def weights(target: Any) -> dict[str, Path | None]:
+def weights(target: TargetModel) -> dict[str, Path | None]:
     """Per proposer that needs weights: the folder holding them beside ``target``'s model,
     or None when there is none (nothing trained for this model)."""
     out: dict[str, Path | None] = {}

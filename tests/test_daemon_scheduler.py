@@ -16,12 +16,8 @@ from codespec.daemon.client import AsyncClient, Client, DaemonError
 from codespec.daemon.config import Speculation
 from codespec.daemon.engine.engine import GenParams
 from codespec.daemon.service.protocol import pack
-from codespec.daemon.service.scheduler import (
-    Job,
-    RecentOutputs,
-    Scheduler,
-    speculation_policy,
-)
+from codespec.daemon.service.recent import RecentOutputs
+from codespec.daemon.service.scheduler import Job, Scheduler, speculation_policy
 from helpers import wait_warmed
 
 PROMPT = "import os\n\n\ndef walk(root):\n    for name in os.listdir(root):\n"

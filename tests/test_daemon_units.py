@@ -367,12 +367,11 @@ def test_the_daemon_builds_the_index_lookup_library_before_the_first_request(
 def test_the_daemon_builds_the_healing_table_before_the_first_request(engine, tmp_path):
     """Token healing's table of token texts is made while the daemon starts, not inside the
     first healed completion (~0.2 s)."""
-    from codespec.daemon.text import healing
     from conftest import ServerThread, daemon_config
 
-    healing._TEXTS.pop(engine.tokenizer, None)
+    vars(engine).pop("token_texts", None)  # a cached_property: dropped, built on next use
     server = ServerThread(daemon_config(tmp_path), engine)
     try:
-        assert healing._TEXTS.get(engine.tokenizer) is not None
+        assert "token_texts" in vars(engine)  # built: the first healed completion reuses it
     finally:
         server.stop()

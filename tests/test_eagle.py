@@ -45,7 +45,7 @@ from codespec.speculators.eagle_head import (
 )
 from codespec.speculators.policy import Controller
 from codespec.speculators.registry import make_proposer
-from codespec.speculators.target import TorchKernels
+from codespec.speculators.target import SpeculatorState, TorchKernels
 from conftest import SPEC_PROMPTS, heldout_prompts, tiny_llama
 from helpers import rounded_rows
 
@@ -438,6 +438,7 @@ def test_no_head_is_a_clear_error(tmp_path):
 
     class FakeTarget:
         model_path = str(tmp_path)
+        speculator_state = SpeculatorState()
 
     with pytest.raises(NoEagleWeights, match="train-eagle") as err:
         make_proposer("eagle", FakeTarget())

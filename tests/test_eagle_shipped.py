@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from codespec.daemon.engine.engine import GenParams
-from codespec.speculators.eagle import EagleProposer, head_dir, load_runtime
+from codespec.speculators.eagle import EagleProposer, LoadedHeads, head_dir, load_runtime
 from codespec.speculators.eagle_head import load_head, save_head
 from codespec.speculators.heads import HEADS_DIR, MANIFEST, index, packaged_head
 from codespec.speculators.weights import weights, weights_summary
@@ -133,15 +133,14 @@ def test_the_daemon_loads_the_head_before_the_first_request(real_engine, tmp_pat
     runner is loaded before any completion asks for it. (What earlier tests taught the
     policy on this engine is forgotten first, as a new daemon starts: a head they retired
     is not built.)"""
-    from codespec.speculators import eagle
     from codespec.speculators.book import forget
     from conftest import ServerThread, daemon_config
 
     forget(real_engine)
-    eagle._RUNTIMES.pop(real_engine, None)
+    real_engine.speculator_state.drop(LoadedHeads)
     server = ServerThread(daemon_config(tmp_path), real_engine)
     try:
-        loaded = eagle._RUNTIMES.get(real_engine, {})
+        loaded = real_engine.speculator_state.find(LoadedHeads) or {}
         assert [rt.path for rt in loaded.values()] == [HEADS_DIR / "smollm2-135m-instruct"]
     finally:
         server.stop()
@@ -155,7 +154,6 @@ def test_the_first_completion_after_open_reuses_the_warm_up_with_the_heads_taps(
     token. (Before, the warm-up kept no taps and that completion re-fed the whole prompt:
     780 ms against off's 344 in ``codespec bench latency``.)"""
     from codespec.daemon.client import Client
-    from codespec.speculators import eagle
     from codespec.speculators.book import forget
     from conftest import ServerThread, daemon_config
     from helpers import wait_warmed
@@ -163,7 +161,7 @@ def test_the_first_completion_after_open_reuses_the_warm_up_with_the_heads_taps(
     forget(real_engine)  # a head earlier tests retired is built again, as in a new daemon
     server = ServerThread(daemon_config(tmp_path), real_engine)
     try:
-        (runtime,) = eagle._RUNTIMES[real_engine].values()
+        (runtime,) = real_engine.speculator_state.get(LoadedHeads).values()
         assert real_engine.warm_taps == tuple(runtime.runner.cfg.taps)
         text = "import os\n\n\ndef walk(root):\n" + "    x = os.path.join(root, 'a')\n" * 12
         with Client(server.socket_path) as c:

@@ -52,8 +52,10 @@ def prompt(engine, context: str, others=()) -> list[int]:
     for uri, text in others:
         store.open(uri, text, 1, "python")
     doc = store.open("file:///home/u/shop/cart.py", TEXT, 1, "python")
-    prep = completion.prepare_complete(engine, store, SnippetCache(), doc, CURSOR, 16, False,
-                                       1024, context)  # fmt: skip
+    req = completion.CompleteRequest(
+        offset=CURSOR, max_tokens=16, multiline=False, context_tokens=1024, context=context
+    )
+    prep = completion.prepare_complete(engine, store, SnippetCache(), doc, req)
     return prep.prompt_ids
 
 

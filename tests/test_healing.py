@@ -18,7 +18,7 @@ from codespec.speculators.registry import make_proposer
 
 @pytest.fixture(scope="module")
 def texts(engine) -> TokenTexts:
-    return TokenTexts.of(engine.tokenizer, engine.runner.vocab_size)
+    return engine.token_texts
 
 
 def ids_of(engine, text: str) -> list[int]:

@@ -17,6 +17,7 @@ from codespec.speculators.lookahead import (
     store_for,
     window_nodes,
 )
+from codespec.speculators.target import SpeculatorState
 from conftest import heldout_prompts
 
 VOCAB = 64
@@ -155,14 +156,16 @@ def test_pool_branch_comes_first_and_small_budgets_fit() -> None:
 
 
 def test_make_keeps_pools_with_the_engine() -> None:
-    """The registry's factory: one store per engine object."""
+    """The registry's factory: one store per engine object, kept in its state."""
 
     class FakeEngine:
-        pass
+        def __init__(self) -> None:
+            self.speculator_state = SpeculatorState()
 
     e1, e2 = FakeEngine(), FakeEngine()
     assert make(e1, None).store is store_for(e1) is make(e1, None).store
     assert make(e2, None).store is not store_for(e1)
+    assert e1.speculator_state.find(PoolStore) is store_for(e1)
 
 
 def run(engine, prompt: list[int], params, proposer=None) -> tuple[list[int], object]:

@@ -27,6 +27,7 @@ from codespec.speculators.draft import Draft, RequestInfo, StepResult
 from codespec.speculators.ngram import NgramProposer
 from codespec.speculators.policy import FIRST_PAUSE, TEMPERATURE_PRIOR, TRIAL_STEPS, Controller
 from codespec.speculators.registry import make_proposer
+from codespec.speculators.target import SpeculatorState
 from conftest import heldout_prompts
 from helpers import ScriptedProposer
 
@@ -638,6 +639,9 @@ def test_the_summary_reports_costs_and_speed_vs_plain(engine):
 
     class Target:
         model_path = engine.model_path
+
+        def __init__(self) -> None:
+            self.speculator_state = SpeculatorState()
 
     target = Target()
     prompt = engine.encode(REPEAT)

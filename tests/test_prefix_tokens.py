@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from qwen_local import qwen_tokenizer
 
-from codespec.daemon.text.prefix_tokens import MIN_CHARS, PrefixEncoder, prefix_encoder
+from codespec.daemon.text.prefix_tokens import MIN_CHARS, PrefixEncoder
 
 PIECES = ["a", "Z", "é", "ß", "1", "23", "٣", "'", "'s", "'ll", "s", " ", "  ", "\t", "\n",
           "\r\n", "\n    ", "\u00a0", "\u2003", ".", "(", ")", "_", "-", "#", "<", "|", ">",
@@ -59,7 +59,7 @@ def test_other_tokenizers_and_special_strings_are_encoded_whole(engine):
     other.pre_tokenizer = pre_tokenizers.Whitespace()
     long = "x = 1\n" * (MIN_CHARS // 3)
     assert PrefixEncoder(SimpleNamespace(backend_tokenizer=other)).split(long) == 0
-    enc = prefix_encoder(engine.tokenizer)
+    enc = engine.prefix_encoder
     assert enc.split(long) > 0
     assert enc.split(long[: MIN_CHARS // 2]) == 0
     assert enc.split(long + "<file_sep>\n" + long) == 0

@@ -12,21 +12,28 @@ the base class's. Must not touch: the engine's or the server's insides, sockets.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from codespec.daemon.config import Speculation
+from codespec.daemon.engine.engine import Stats
+from codespec.daemon.service.protocol import ProtocolError
 from codespec.daemon.service.scheduler import Job, LockedIndex, Scheduler
+
+if TYPE_CHECKING:
+    from codespec.daemon.backends.remote import RemoteEngine
 
 
 class RemoteScheduler(Scheduler):
     def __init__(
         self,
-        engine: Any,
+        engine: RemoteEngine,
         index: LockedIndex | None,
-        spec_cfg: Any,
+        spec_cfg: Speculation,
         max_queue: int,
         workers: int = 16,
     ) -> None:
         super().__init__(engine, index, spec_cfg, max_queue)
+        self.backend_kind = engine.kind  # the server's (vllm): what speculated
         self._inflight: dict[int, Job] = {}  # by id(): jobs compare by value
         self._tally = threading.Lock()  # the statistics, written by every worker
         self._workers = [
@@ -71,11 +78,11 @@ class RemoteScheduler(Scheduler):
     def _others_waiting(self) -> bool:
         return False  # no turns: the server interleaves requests itself
 
-    def _account(self, job: Job, stats: Any, seconds: float) -> None:
+    def _account(self, job: Job, stats: Stats | None, seconds: float) -> None:
         with self._tally:
             super()._account(job, stats, seconds)
 
-    def _finish(self, job: Job, finish: str = "", error: Any = None) -> None:
+    def _finish(self, job: Job, finish: str = "", error: ProtocolError | None = None) -> None:
         with self._cond:
             self._inflight.pop(id(job), None)
         with self._tally:
@@ -83,5 +90,5 @@ class RemoteScheduler(Scheduler):
 
     def _stats(self, job: Job, finish: str) -> dict[str, Any]:
         out = super()._stats(job, finish)
-        out["speculation"] = f"server ({self.engine.kind})"
+        out["speculation"] = f"server ({self.backend_kind})"
         return out

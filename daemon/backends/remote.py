@@ -25,16 +25,19 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from codespec.daemon.backends.openai_http import BackendError, OpenAIClient, read_api_key
+from codespec.daemon.config import Backend
 from codespec.daemon.engine.engine import Engine, GenParams, Stats, Step
 from codespec.daemon.engine.loading import ModelLoadError, one_line, resolve_model_path
 from codespec.daemon.engine.tokenizer import load as load_tokenizer
 from codespec.daemon.text.specials import FimTokens, find_fim, stop_token_ids
+from codespec.speculators.draft import Proposer, RequestInfo
+from codespec.speculators.target import SpeculatorState
 
 log = logging.getLogger("codespec.daemon")
 
@@ -81,7 +84,7 @@ class RemoteEngine:
 
     remote = True
 
-    def __init__(self, model: str | None, backend: Any) -> None:
+    def __init__(self, model: str | None, backend: Backend) -> None:
         self.model_path = resolve_model_path(model)
         try:
             self.tokenizer = load_tokenizer(self.model_path)
@@ -103,12 +106,17 @@ class RemoteEngine:
         self.requests = 0  # requests sent to the server (retries and healing steps included)
         self.retried = 0
         self._count_lock = threading.Lock()
+        # nothing drafts here; ``stats``' policy section reads it as for a local engine
+        self.speculator_state = SpeculatorState()
 
     # -- what the rest of the daemon reads off an engine ----------------------------------
-    # the tokenizer side is the local engine's, read off the same attributes
+    # the tokenizer side is the local engine's, read off the same attributes (its tables
+    # built on first use and kept with this engine)
     encode = Engine.encode
     decode = Engine.decode
     model_name = Engine.model_name
+    token_texts = Engine.token_texts
+    prefix_encoder = Engine.prefix_encoder
 
     @property
     def max_slots(self) -> int:
@@ -120,7 +128,7 @@ class RemoteEngine:
     def cached_tokens(self, prompt: list[int]) -> int:
         return 0
 
-    def warm(self, prompt: list[int], yield_to: Any, chunk: int = 128) -> int:
+    def warm(self, prompt: list[int], yield_to: Callable[[], bool], chunk: int = 128) -> int:
         """No warm-up: the server's prefix cache fills with the requests themselves."""
         return 0
 
@@ -280,10 +288,10 @@ class RemoteEngine:
         self,
         prompt_ids: list[int],
         params: GenParams,
-        proposer: Any = None,
-        info: Any = None,
+        proposer: Proposer | None = None,
+        info: RequestInfo | None = None,
         cancel: threading.Event | None = None,
-    ) -> Iterator[Step]:
+    ) -> Generator[Step, None, None]:
         """Generate from ``prompt_ids`` as :meth:`Engine.stream` does: one :class:`Step` per
         server step (several tokens when the server's speculation accepted some), ending
         at a stop token, ``max_tokens`` or ``cancel``. ``proposer`` is not used."""

@@ -46,11 +46,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from codespec.daemon.bench.decoding import add_engine_args, open_engine
+
+if TYPE_CHECKING:
+    from codespec.daemon.engine.engine import Engine
 
 DEFAULT_WORKLOADS = ("/tmp/wl/novel.jsonl", "/tmp/wl/completion.jsonl")
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -173,7 +176,7 @@ def project(acc: Acc, verify: dict[int, float], head_ms: float) -> dict[str, flo
 
 
 def _run_workload(
-    engine: Any,
+    engine: Engine,
     path: str,
     methods: list[str],
     proposer: Callable[[str], tuple[Any, Any]],

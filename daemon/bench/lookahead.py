@@ -33,11 +33,14 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from datetime import date
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from codespec.daemon.bench.decoding import add_engine_args, open_engine
+
+if TYPE_CHECKING:
+    from codespec.daemon.engine.engine import Engine
 
 DEFAULT_GRID = "0,6,2;4,3,4;4,5,2;4,6,2;4,6,2,all;4,7,2;6,6,2"
 
@@ -119,7 +122,9 @@ def _accumulate(accs: dict[str, Acc], runs: dict[str, tuple[list[int], Any, floa
         a.drafted_steps += stats.decode_steps if drafted else 0
 
 
-def _report(accs: dict[str, Acc], names: list[str], engine: Any, args: argparse.Namespace) -> None:
+def _report(
+    accs: dict[str, Acc], names: list[str], engine: Engine, args: argparse.Namespace
+) -> None:
     """The table, then one JSON line."""
     head = f"{'W,N,G[,all]':<12}{'prompts':>8}{'tokens':>8}{'forwards':>9}{'tok/fwd':>9}"
     head += f"{'acc/step':>9}{'pool %':>8}{'nodes':>7}{'wall ms':>10}{'vs off':>8}{'= off':>8}"

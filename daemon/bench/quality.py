@@ -29,11 +29,14 @@ import json
 import sys
 import textwrap
 from datetime import date
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from codespec.daemon.bench.decoding import add_engine_args, open_engine
 from codespec.daemon.bench.workload_items import load_workload
 from codespec.daemon.text.tracker import repeats_a_piece
+
+if TYPE_CHECKING:
+    from codespec.daemon.engine.engine import Engine
 
 
 def loops(text: str) -> bool:
@@ -64,7 +67,7 @@ def parses(header: str, body: str) -> bool:
 class Runner:
     """The daemon's completion path without the socket, over one engine."""
 
-    def __init__(self, engine: Any, speculation: str, context_tokens: int) -> None:
+    def __init__(self, engine: Engine, speculation: str, context_tokens: int) -> None:
         from codespec.daemon.config import Speculation
         from codespec.daemon.prompts.crossfile import SnippetCache
         from codespec.daemon.service.scheduler import Scheduler
@@ -88,17 +91,14 @@ class Runner:
             store.open(d["uri"], d["text"], 1, "python")
         doc = store.open(item["uri"], item["prefix"] + item.get("suffix", ""), 1, "python")
         max_tokens = int(item.get("max_tokens", 64)) if multiline else 48
-        prep = completion.prepare_complete(
-            self.engine,
-            store,
-            self.snippets,
-            doc,
-            len(item["prefix"]),
-            max_tokens,
-            multiline,
-            self.context_tokens,
-            variant,
+        req = completion.CompleteRequest(
+            offset=len(item["prefix"]),
+            max_tokens=max_tokens,
+            multiline=multiline,
+            context_tokens=self.context_tokens,
+            context=variant,
         )
+        prep = completion.prepare_complete(self.engine, store, self.snippets, doc, req)
         job = prepared_job(prep, GenParams(max_tokens=max_tokens), self.speculation,
                            "complete", item["uri"])  # fmt: skip
         result = self.scheduler.submit(job).result()
@@ -176,7 +176,7 @@ def _score(runner: Runner, item: dict[str, Any], variant: str, r: dict[str, Any]
     r["cut"] += int(runner.last_cut)
 
 
-def _report(rows: dict[str, dict[str, Any]], engine: Any, args: argparse.Namespace) -> None:
+def _report(rows: dict[str, dict[str, Any]], engine: Engine, args: argparse.Namespace) -> None:
     """The table, then one JSON line."""
     print(
         f"codespec bench quality ({date.today()}, model {engine.model_name}, "

@@ -15,6 +15,13 @@ One function per part of a request:
 - :meth:`Engine.stream`: the loop — propose, verify, yield a :class:`Step`, observe —
   with the id-level stop rules (a stop token, ``max_tokens``, cancellation).
 
+The state other layers keep per loaded model is held here, so it goes with the model; the
+engine never reads it: :attr:`Engine.speculator_state` (the policy's memory, lookahead's
+pools, the loaded EAGLE heads: :class:`~codespec.speculators.target.SpeculatorState`,
+filled by the speculators), :attr:`Engine.token_texts` (token healing's table) and
+:attr:`Engine.prefix_encoder` (the per-keystroke prefix tokenization), both built from
+the tokenizer on first use.
+
 Must not touch: sockets, documents, editors, text. Not thread-safe: the daemon
 serialises access to it (``Engine.lock``).
 """
@@ -24,8 +31,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -40,11 +48,14 @@ from codespec.daemon.engine.loading import (
 from codespec.daemon.engine.slots import CacheSlots
 from codespec.daemon.engine.target import ModelTarget
 from codespec.daemon.engine.tokenizer import load as load_tokenizer
+from codespec.daemon.text.healing import TokenTexts
+from codespec.daemon.text.prefix_tokens import PrefixEncoder
 from codespec.daemon.text.specials import FimTokens, find_fim, stop_token_ids
 from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
+from codespec.speculators.target import SpeculatorState
 from codespec.speculators.verify import verify
 
-__all__ = ["Engine", "GenParams", "ModelLoadError", "Stats", "Step", "load_runner"]
+__all__ = ["Constraint", "Engine", "GenParams", "ModelLoadError", "Stats", "Step", "load_runner"]
 
 Constraint = Callable[[list[int]], torch.Tensor | None]
 
@@ -202,6 +213,8 @@ class Engine(ModelTarget):
         # keeps them too, else that request's successor re-feeds every warmed token
         self.warm_taps: tuple[int, ...] = ()
         self.lock = threading.Lock()
+        # what speculation keeps on this model across requests (codespec.speculators)
+        self.speculator_state = SpeculatorState()
 
     # -- the tokenizer, beside the model (the decode loop never uses it) -------------------
     def encode(self, text: str) -> list[int]:
@@ -210,6 +223,19 @@ class Engine(ModelTarget):
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    @cached_property
+    def token_texts(self) -> TokenTexts:
+        """Every token's text, for token healing (:mod:`codespec.daemon.text.healing`):
+        built on first use (~0.2 s; the daemon builds it at start) and kept with the
+        engine. ``del engine.token_texts`` drops it."""
+        return TokenTexts(self.tokenizer, self.runner.vocab_size)
+
+    @cached_property
+    def prefix_encoder(self) -> PrefixEncoder:
+        """The tokenizer's encoding of the text before a cursor, reusing the lines that did
+        not change (:mod:`codespec.daemon.text.prefix_tokens`); made on first use."""
+        return PrefixEncoder(self.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -343,7 +369,7 @@ class Engine(ModelTarget):
         proposer: Proposer | None = None,
         info: RequestInfo | None = None,
         cancel: threading.Event | None = None,
-    ) -> Iterator[Step]:
+    ) -> Generator[Step, None, None]:
         """Generate from ``prompt_ids``, yielding one :class:`Step` per target forward.
 
         Ends at a stop token (``stop``), ``max_tokens`` (``length``) or ``cancel``

@@ -20,7 +20,7 @@ import torch
 
 from codespec.daemon.engine import cpu_gemm, quant_gemm
 from codespec.speculators.costs import SEED_SIZES
-from codespec.speculators.target import Kernels, TorchKernels
+from codespec.speculators.target import Kernels, SpeculatorState, TorchKernels
 
 SAMPLES = 3  # timed forwards per size in time_forwards (the fastest counts)
 # A draft head's products of fewer rows than this run on one thread. codespec runs OpenMP
@@ -100,10 +100,11 @@ def quantize_blocks(w: np.ndarray, qtype: str) -> np.ndarray:
 
 
 class ModelTarget:
-    """``TargetModel`` for a class with ``runner``, ``model_path``, ``max_length`` and
-    ``device`` (the engine)."""
+    """``TargetModel`` for a class with ``runner``, ``model_path``, ``max_length``,
+    ``device`` and ``speculator_state`` (the engine)."""
 
     runner: Any
+    speculator_state: SpeculatorState
 
     @property
     def vocab_size(self) -> int:

@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from codespec.daemon.text.protocols import Tokenizer
+
 # tokenizer_config.json keys that change nothing the adapter answers
 _PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2TokenizerFast"}
 _PLAIN_CLASSES |= {"Qwen2TokenizerFast", "LlamaTokenizerFast", "CodeGenTokenizerFast"}
@@ -156,7 +158,7 @@ def fast_enough(folder: str | Path) -> bool:
     return cfg.get("tokenizer_class", "TokenizersBackend") in _PLAIN_CLASSES
 
 
-def load(folder: str | Path) -> Any:
+def load(folder: str | Path) -> Tokenizer:
     """The folder's tokenizer: :class:`FastTokenizer` where it answers as ``AutoTokenizer``
     would (:func:`fast_enough`), else ``AutoTokenizer`` (local files only)."""
     if fast_enough(folder):

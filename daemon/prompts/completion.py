@@ -16,7 +16,6 @@ import posixpath
 import re
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import Any
 
 from codespec.daemon.errors import BAD_PARAMS, ProtocolError
 from codespec.daemon.prompts import crossfile, fim
@@ -33,14 +32,16 @@ from codespec.daemon.prompts.edit import (  # noqa: F401 (the edit side, importa
 from codespec.daemon.prompts.parts import (
     CHARS_PER_TOKEN_CAP,
     SUFFIX_TOKENS,
+    OpenDocument,
     Prepared,
+    RecentDocuments,
     head_text,
     next_lines,
     window_prefix,
 )
 from codespec.daemon.text import healing
 from codespec.daemon.text.healing import heal_prompt
-from codespec.daemon.text.prefix_tokens import prefix_encoder
+from codespec.daemon.text.protocols import TextModel
 from codespec.daemon.text.tracker import TextTracker
 
 TOP_TOKENS = 32  # fewer prefix tokens: the top of a file (complete_prompt's top_uri)
@@ -79,14 +80,14 @@ def file_label(uri: str) -> str:
     return "/".join(parts[-2:]) or "untitled"
 
 
-def _repo_layout(engine: Any) -> bool:
+def _repo_layout(engine: TextModel) -> bool:
     """Whether the tokenizer has StarCoder-style ``<file_sep>`` (repository-level data).
     (One lookup: ``get_vocab()`` would copy the whole vocabulary on every keystroke.)"""
     return engine.tokenizer.backend_tokenizer.token_to_id(FILE_SEP) is not None
 
 
 def complete_prompt(
-    engine: Any,
+    engine: TextModel,
     text: str,
     offset: int,
     max_tokens: int,
@@ -119,7 +120,7 @@ def complete_prompt(
     if not text.strip():
         return CompletionPrompt([])
     chars = budget * CHARS_PER_TOKEN_CAP
-    prefix_ids = prefix_encoder(engine.tokenizer).encode(head_text(text, offset, chars))
+    prefix_ids = engine.prefix_encoder.encode(head_text(text, offset, chars))
     after = text[offset : offset + chars]
     line_start = text.rfind("\n", 0, offset) + 1
     stops = next_lines(after)
@@ -142,7 +143,7 @@ def complete_prompt(
 
 
 def _file_sep_head(
-    engine: Any, uri: str, snippets: list[crossfile.Snippet], budget: int
+    engine: TextModel, uri: str, snippets: list[crossfile.Snippet], budget: int
 ) -> tuple[list[int], list[crossfile.Snippet]]:
     """A left-to-right prompt's head where the tokenizer has ``<file_sep>`` and there is a
     file or snippets: each snippet (a third of ``budget`` at most) and then the current
@@ -162,7 +163,7 @@ def _file_sep_head(
 
 
 def _fim_complete(
-    engine: Any,
+    engine: TextModel,
     prefix_ids: list[int],
     after: str,
     budget: int,
@@ -213,41 +214,56 @@ def repo_paths(uri: str, others: list[str]) -> tuple[str, str, list[str]]:
 CONTEXTS = ("none", "header", "crossfile")
 
 
-def prepare_complete(
-    engine: Any,
-    documents: Any,
-    snippets: crossfile.SnippetCache,
-    doc: Any,
-    offset: int,
-    max_tokens: int,
-    multiline: bool,
-    context_tokens: int,
-    context: str = "none",
-    stop: list[str] | None = None,
-) -> Prepared:
-    """A completion at ``offset`` of the open document ``doc``: the prompt, the healing
-    constraint, the stop rules (single-line completions stop at a line break).
-    ``context``: ``none`` (the prefix alone), ``header`` (under a ``<file_sep>path``
-    line) or ``crossfile`` (after snippets of the other recent ``documents``).
+@dataclass(frozen=True, kw_only=True)
+class CompleteRequest:
+    """What a completion asks for besides its document (:func:`prepare_complete`).
+
+    ``offset``: the cursor in the document's text; ``max_tokens``: the output the prompt
+    leaves room for; ``multiline``: else the completion stops at a line break;
+    ``context_tokens``: the prompt's most tokens (snippets get a third of it);
+    ``context``: the layout, one of :data:`CONTEXTS` (``none``: the prefix alone,
+    ``header``: under a ``<file_sep>path`` line, ``crossfile``: after snippets of the
+    other recent documents); ``stop``: stop strings besides the line break.
     """
+
+    offset: int
+    max_tokens: int
+    multiline: bool
+    context_tokens: int
+    context: str = "none"
+    stop: tuple[str, ...] = ()
+
+
+def prepare_complete(
+    engine: TextModel,
+    documents: RecentDocuments,
+    snippets: crossfile.SnippetCache,
+    doc: OpenDocument,
+    req: CompleteRequest,
+) -> Prepared:
+    """A completion ``req`` in the open document ``doc``: the prompt, the healing
+    constraint, the stop rules (single-line completions stop at a line break).
+    ``documents``: the open documents crossfile snippets come from.
+    """
+    context = req.context
     if context not in CONTEXTS:
         raise ValueError(f"context must be one of {', '.join(CONTEXTS)}")
     picked: list[crossfile.Snippet] = []
     if context == "crossfile":
         others = [(d.uri, d.version, d.text) for d in documents.recent(exclude=doc.uri)]
         # characters: about a third of the prompt's token budget
-        picked = snippets.snippets(doc.uri, doc.text, offset, others, context_tokens)
+        picked = snippets.snippets(doc.uri, doc.text, req.offset, others, req.context_tokens)
     cp = complete_prompt(
         engine,
         doc.text,
-        offset,
-        max_tokens,
-        context_tokens,
+        req.offset,
+        req.max_tokens,
+        req.context_tokens,
         uri=doc.uri if context != "none" else "",
         snippets=picked,
         top_uri=doc.uri,
     )
-    stops = list(stop or []) if multiline else ["\n", "\r", *(stop or [])]
+    stops = list(req.stop) if req.multiline else ["\n", "\r", *req.stop]
     tracker = TextTracker(
         engine.tokenizer.backend_tokenizer,
         cp.prompt_ids,
@@ -263,7 +279,7 @@ def prepare_complete(
     return Prepared(cp.prompt_ids, healing.constraint(engine, cp.heal), tracker)
 
 
-def _markdown(doc: Any) -> bool:
+def _markdown(doc: OpenDocument) -> bool:
     """Whether ``doc`` is Markdown, where a code fence is text, not the end of an answer."""
     language = (getattr(doc, "language", "") or "").lower()
     return language in MARKDOWN or doc.uri.lower().endswith((".md", ".markdown", ".mdx"))

@@ -18,6 +18,7 @@ from codespec.daemon.prompts.fim import fim_prompt
 from codespec.daemon.prompts.parts import (
     CHARS_PER_TOKEN_CAP,
     SUFFIX_TOKENS,
+    OpenDocument,
     Prepared,
     head_text,
     next_lines,
@@ -25,6 +26,7 @@ from codespec.daemon.prompts.parts import (
 )
 from codespec.daemon.text import healing
 from codespec.daemon.text.healing import heal_prompt
+from codespec.daemon.text.protocols import TextModel
 from codespec.daemon.text.tracker import TextTracker, region_shape
 
 # An edit's drafts may run this long at least (a longer config max_draft stands): its old
@@ -74,7 +76,9 @@ class EditPrompt:
     region: tuple[int, int] | None = None
 
 
-def prepare_edit(engine: Any, ep: EditPrompt, old: str, stop: list[str] | None = None) -> Prepared:
+def prepare_edit(
+    engine: TextModel, ep: EditPrompt, old: str, stop: list[str] | None = None
+) -> Prepared:
     """An edit prompt's request. A ``continue`` or ``chat`` rewrite ends with the line
     breaks ``old`` ended with (a ``continue`` one is cut where the next code starts, so
     blank lines before that are not the region's; a chat reply ends where it likes); a
@@ -99,11 +103,11 @@ def comment_line(language: str, instruction: str) -> str:
     return "".join(f"{mark} {line}\n" for line in instruction.splitlines() or [""])
 
 
-def has_chat_template(engine: Any) -> bool:
+def has_chat_template(engine: TextModel) -> bool:
     return bool(getattr(engine.tokenizer, "chat_template", None))
 
 
-def auto_mode(engine: Any) -> str:
+def auto_mode(engine: TextModel) -> str:
     """The mode ``auto`` picks: ``chat`` for a code model with FIM tokens and a chat
     template (Qwen2.5-Coder-Instruct), ``fim`` for one without a template, ``continue``
     for a model without FIM tokens (SmolLM2 answers with prose through its template)."""
@@ -113,7 +117,7 @@ def auto_mode(engine: Any) -> str:
 
 
 def edit_prompt(
-    engine: Any,
+    engine: TextModel,
     text: str,
     start: int,
     end: int,
@@ -174,7 +178,7 @@ def edit_prompt(
 
 
 def _fim_edit(
-    engine: Any, prefix: str, after: str, draft_ids: list[int], budget: int
+    engine: TextModel, prefix: str, after: str, draft_ids: list[int], budget: int
 ) -> EditPrompt:
     """A FIM edit prompt: ``prefix`` (the text before the region, the draft, the
     instruction) and the text after the region, within ``budget`` tokens."""
@@ -188,7 +192,7 @@ def _fim_edit(
 
 
 def _chat_edit(
-    engine: Any,
+    engine: TextModel,
     draft: str,
     draft_ids: list[int],
     instruction: str,
@@ -228,7 +232,7 @@ def clean_edit(text: str, mode: str) -> str:
     return text
 
 
-def text_edits(doc: Any, start: int, old: str, new: str) -> list[dict[str, Any]]:
+def text_edits(doc: OpenDocument, start: int, old: str, new: str) -> list[dict[str, Any]]:
     """Minimal LSP TextEdits turning ``old`` (at ``start`` in ``doc``) into ``new``.
 
     A line diff finds the changed hunks; each hunk is narrowed to the characters

@@ -1,15 +1,19 @@
 """The pieces completion and edit prompts share: the window on a prefix whose start stays
-put while the user types, the text read around the cursor, the document's next line, and
-the prepared request the scheduler takes.
+put while the user types, the text read around the cursor, the document's next line, the
+prepared request the scheduler takes, and what prompts read of an open document and of
+the document store (:class:`OpenDocument`, :class:`RecentDocuments`: protocols the
+service's ``documents`` module fits, as prompts import nothing of the service).
 
 Must not touch: the engine's decoding, sockets, the document store's state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
+from codespec.daemon.text.healing import Healing
 from codespec.daemon.text.tracker import TextTracker
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
@@ -47,10 +51,35 @@ class Prepared:
     with an empty completion instead of running the model."""
 
     prompt_ids: list[int]
-    constraint: Any
+    constraint: Healing | None
     tracker: TextTracker
     draft_ids: list[int] | None = None
     mode: str = ""
+
+
+class OpenDocument(Protocol):
+    """An open document as prompts read it: where it is, which version, its text and
+    language, and an offset's LSP position (``codespec.daemon.service.documents.Document``)."""
+
+    @property
+    def uri(self) -> str: ...
+
+    @property
+    def version(self) -> int | None: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def language(self) -> str: ...
+
+    def position(self, offset: int) -> dict[str, int]: ...
+
+
+class RecentDocuments(Protocol):
+    """The open documents, most recently used first (cross-file snippets come from them)."""
+
+    def recent(self, exclude: str = "", limit: int = 8) -> Sequence[OpenDocument]: ...
 
 
 def next_lines(after: str) -> tuple[str, ...]:

@@ -26,17 +26,22 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from codespec.daemon.config import Config
+from codespec.daemon.engine.protocols import DecodingEngine
 from codespec.daemon.prompts import crossfile
 from codespec.daemon.service.connection import Connection, serve_connection
 from codespec.daemon.service.documents import DocumentStore
 from codespec.daemon.service.handlers import Methods
 from codespec.daemon.service.scheduler import LockedIndex, Scheduler
 from codespec.daemon.service.workspace import Workspace
-from codespec.daemon.text.healing import TokenTexts
 from codespec.speculators.policy import seed_costs
+
+if TYPE_CHECKING:
+    from codespec.daemon.engine.engine import Engine
+    from codespec.ngram_index import NgramIndex
 
 log = logging.getLogger("codespec.daemon")
 
@@ -51,7 +56,7 @@ class SocketInUse(RuntimeError):
     """Another daemon answers on the socket path."""
 
 
-def _preload(engine: Any, speculation: str) -> None:
+def _preload(engine: Engine, speculation: str) -> None:
     """Build ``speculation``'s proposers once (what they load is kept per model: the
     EAGLE head's runner), and warm prompts with the taps they read, as their requests
     will. Whatever fails is logged and left for a request to report: the daemon starts
@@ -95,18 +100,20 @@ def claim_socket_path(path: str) -> None:
 class Server:
     """The daemon: engine, documents, index, scheduler, workspace, socket."""
 
-    def __init__(self, config: Config, engine: Any = None) -> None:
+    def __init__(self, config: Config, engine: DecodingEngine | None = None) -> None:
         self.config = config
         self.engine = engine
         self.socket_path = config.socket_path
         self.started = time.time()
-        self.index: Any = None
+        self.index: NgramIndex | None = None
         self.documents = DocumentStore(
             config.limits.max_documents, config.limits.max_document_chars, self._feed_index
         )
         self.scheduler: Scheduler | None = None
         self.workspace: Workspace | None = None
         self.snippets = crossfile.SnippetCache()
+        # the open live view (codespec.daemon.view sets and reads it; the service does not)
+        self.view: object | None = None
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[Connection] = set()
         self._stopped = asyncio.Event()
@@ -136,11 +143,12 @@ class Server:
                 Engine, cfg.model, cfg.device, cfg.runner, max_slots=cfg.limits.kv_slots
             )
         if not remote:
+            local = cast("Engine", self.engine)  # not remote: the daemon's own engine
             # the policy's first cost table: a few timed forwards, before the first request
-            seed_costs(self.engine, await asyncio.to_thread(self.engine.time_forwards))
+            seed_costs(local, await asyncio.to_thread(local.time_forwards))
             # the default method's proposers built once, so that a head (the EAGLE head
             # shipped for SmolLM2-135M) loads now and not inside the first completion
-            await asyncio.to_thread(_preload, self.engine, self.config.speculation.default)
+            await asyncio.to_thread(_preload, local, self.config.speculation.default)
         self.index = self._load_index()
         from codespec.ngram_index import native as index_native
 
@@ -149,7 +157,7 @@ class Server:
         await asyncio.to_thread(index_native.available)
         # token healing's table of every token's text, built now, not inside the
         # first completion whose prompt is healed
-        await asyncio.to_thread(TokenTexts.of, self.engine.tokenizer, self.engine.runner.vocab_size)
+        await asyncio.to_thread(lambda: self.engine.token_texts)
         make = Scheduler
         if remote:  # requests side by side, batched by the server
             from codespec.daemon.backends.concurrent import RemoteScheduler as make
@@ -230,7 +238,7 @@ class Server:
         conn.documents.clear()
 
     # -- the n-gram index ---------------------------------------------------------------
-    def _load_index(self) -> Any:
+    def _load_index(self) -> NgramIndex:
         """The index saved by the last daemon, or an empty one (none saved, or unreadable)."""
         from codespec.ngram_index import NgramIndex
 
@@ -245,7 +253,7 @@ class Server:
                 log.warning("not loading %s: %s", path, exc)
         return NgramIndex(tok)
 
-    def _save_index(self) -> Any:
+    def _save_index(self) -> Path | None:
         """Save the index to the state directory; its path, or None when not saved."""
         path = self.config.index_path
         if path is None or self.index is None:
@@ -283,7 +291,7 @@ class Server:
                 self.index.open(uri, text, kind="workspace")
 
 
-def make_server(config: Config, engine: Any = None) -> Server:
+def make_server(config: Config, engine: DecodingEngine | None = None) -> Server:
     """The app factory: the real daemon, not yet listening (``await server.start()``)."""
     return Server(config, engine)
 

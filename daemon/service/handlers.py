@@ -22,6 +22,7 @@ import torch
 from codespec.daemon.engine import cpu_gemm, quant_gemm
 from codespec.daemon.engine.engine import GenParams, Stats
 from codespec.daemon.engine.footprint import flat_weights
+from codespec.daemon.engine.protocols import DecodingEngine
 from codespec.daemon.prompts import completion, limits
 from codespec.daemon.service import protocol as proto
 from codespec.daemon.service.connection import Connection, Handler, Waiting, cancelled_frame
@@ -52,12 +53,12 @@ METHODS = (
 Params = Mapping[str, Any]
 # Socket methods of parts above the service (codespec.daemon.view adds "view"), which the
 # service imports nothing of: name -> fn(server, params), a result map or an awaitable one.
-ADDED_METHODS: dict[str, Callable[[Any, Params], Any]] = {}
+ADDED_METHODS: dict[str, Callable[[Server, Params], Any]] = {}
 
 
-def cpu_kernel(engine: Any) -> str:
+def cpu_kernel(engine: DecodingEngine) -> str:
     """``cpu_gemm`` when the runner's products use the CPU kernel, else why not."""
-    runner = engine.runner
+    runner: Any = engine.runner  # a local runner's weights and kernels, where it has them
     if getattr(runner, "gguf", False):  # the GGUF's own blocks, by type
         mats = flat_weights([runner.lm_head_t, runner.layers])
         kinds = sorted({w.qtype for w in mats if isinstance(w, quant_gemm.QuantMatrix)})
@@ -228,12 +229,15 @@ class Methods:
         if uri not in srv.documents or srv.scheduler is None:
             return
         doc = srv.documents.get(uri)
+        req = completion.CompleteRequest(
+            offset=min(offset, len(doc.text)),
+            max_tokens=limits.LINE_TOKENS,
+            multiline=False,
+            context_tokens=srv.config.limits.context_tokens,
+            context=srv.config.completion.context,
+        )
         try:
-            prep = completion.prepare_complete(
-                srv.engine, srv.documents, srv.snippets, doc, min(offset, len(doc.text)),
-                limits.LINE_TOKENS, False, srv.config.limits.context_tokens,
-                srv.config.completion.context,
-            )  # fmt: skip
+            prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
         except ProtocolError:  # no room for a prompt
             return
         if prep.prompt_ids:  # empty: nothing to complete from
@@ -267,18 +271,15 @@ class Methods:
         params, speculation = self._sampling(p, limits.default_tokens(p.multiline))
         srv = self.srv
         doc = srv.documents.get(p.uri, p.version)
-        prep = completion.prepare_complete(
-            srv.engine,
-            srv.documents,
-            srv.snippets,
-            doc,
-            doc.offset(p.position.as_dict()),
-            params.max_tokens,
-            p.multiline,
-            srv.config.limits.context_tokens,
-            srv.config.completion.context,
-            list(p.stop),
+        req = completion.CompleteRequest(
+            offset=doc.offset(p.position.as_dict()),
+            max_tokens=params.max_tokens,
+            multiline=p.multiline,
+            context_tokens=srv.config.limits.context_tokens,
+            context=srv.config.completion.context,
+            stop=tuple(p.stop),
         )
+        prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
         if not prep.prompt_ids:  # a blank document: nothing to complete, not an error
             stats = Stats(finish_reason="stop").as_dict()
             return {"text": "", "finish_reason": "stop", "stats": stats}

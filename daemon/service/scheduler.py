@@ -3,7 +3,8 @@
 Owns: the request queue, the worker thread, fairness, cancellation, the
 speculation back-off under load, the text of each request across its turns
 (incremental detokenization and stop strings), and the daemon-wide decoding
-statistics. Must not touch: sockets, documents, prompts; the engine's insides
+statistics. What the last requests on each document generated (a draft source) is
+:mod:`.recent`'s. Must not touch: sockets, documents, prompts; the engine's insides
 (it only calls ``Engine.stream`` under ``Engine.lock``).
 
 Fairness: round-robin with a quantum. The engine has one KV cache, so two
@@ -43,9 +44,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from codespec.daemon.engine.engine import GenParams, Stats
+from codespec.daemon.config import Speculation
+from codespec.daemon.engine.engine import Constraint, GenParams, Stats
+from codespec.daemon.engine.protocols import DecodingEngine
+from codespec.daemon.prompts.parts import Prepared
 from codespec.daemon.service.protocol import (
     BAD_PARAMS,
     CANCELLED,
@@ -53,9 +57,14 @@ from codespec.daemon.service.protocol import (
     OVERLOADED,
     ProtocolError,
 )
+from codespec.daemon.service.recent import RecentOutputs
 from codespec.daemon.text.tracker import TextTracker
-from codespec.speculators.draft import RequestInfo
+from codespec.speculators.draft import Proposer, RequestInfo
 from codespec.speculators.registry import make_proposer
+
+if TYPE_CHECKING:
+    from codespec.ngram_index import NgramIndex
+    from codespec.speculators.target import TargetModel
 
 log = logging.getLogger("codespec.daemon")
 
@@ -66,7 +75,7 @@ class LockedIndex:
     """The n-gram index behind a lock: proposers look up on the worker thread while the
     event loop and the workspace watcher mutate it."""
 
-    def __init__(self, index: Any, lock: threading.Lock) -> None:
+    def __init__(self, index: NgramIndex, lock: threading.Lock) -> None:
         self._index = index
         self.lock = lock
 
@@ -116,56 +125,21 @@ class Job:
     totals: Stats = field(default_factory=Stats)
 
 
-class RecentOutputs:
-    """What the last requests on each document generated: a draft source for the next
-    request there (``RequestInfo.recent_ids``, the n-gram proposer's ``ngram:recent``).
-    Typing what the ghost text showed asks for that text again, shifted by the keys
-    typed; a jump away and back asks for it again unchanged.
-
-    Per document the last ``per_doc`` outputs, each after the last ``tail`` tokens of
-    its prompt (the next request's context ends where an output began, plus what was
-    typed, so it matches into it), newest last; at most ``docs`` documents, the least
-    recently used dropped. The worker thread alone reads and writes it.
-    """
-
-    def __init__(self, docs: int = 64, per_doc: int = 4, tail: int = 16) -> None:
-        self.docs, self.per_doc, self.tail = docs, per_doc, tail
-        self._by_uri: collections.OrderedDict[str, list[list[int]]] = collections.OrderedDict()
-
-    def add(self, uri: str | None, prompt_ids: list[int], out_ids: list[int]) -> None:
-        if not uri or not out_ids:
-            return
-        kept = self._by_uri.pop(uri, [])
-        kept = [*kept, [*prompt_ids[-self.tail :], *out_ids]][-self.per_doc :]
-        self._by_uri[uri] = kept
-        while len(self._by_uri) > self.docs:
-            self._by_uri.popitem(last=False)
-
-    def get(self, uri: str | None) -> list[int] | None:
-        """The document's recent outputs in one sequence, oldest first; None if none."""
-        kept = self._by_uri.get(uri) if uri else None
-        if not kept:
-            return None
-        self._by_uri.move_to_end(uri)  # type: ignore[arg-type]
-        return [t for seq in kept for t in seq]
-
-    def __len__(self) -> int:
-        return len(self._by_uri)
-
-
 # Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight,
 # so chunks stay small (a few times larger, and a keystroke's completion waits noticeably).
 WARM_CHUNK = 32
 
 
-def prepared_job(prep: Any, params: GenParams, speculation: str, kind: str, uri: str) -> Job:
+def prepared_job(prep: Prepared, params: GenParams, speculation: str, kind: str, uri: str) -> Job:
     """A job for a request :mod:`codespec.daemon.prompts.completion` prepared."""
     params.constraint = prep.constraint
     return Job(prep.prompt_ids, params, speculation, kind, uri, prep.draft_ids,
                tracker=prep.tracker)  # fmt: skip
 
 
-def speculation_policy(requested: str, max_draft: int, active: int, cfg: Any) -> tuple[str, int]:
+def speculation_policy(
+    requested: str, max_draft: int, active: int, cfg: Speculation
+) -> tuple[str, int]:
     """(proposer name, max draft) for a request when ``active`` requests compete."""
     if requested == "off" or active >= cfg.off_at:
         return "off", 0
@@ -174,15 +148,33 @@ def speculation_policy(requested: str, max_draft: int, active: int, cfg: Any) ->
     return requested, max_draft
 
 
-def _resumed(constraint: Any, done: list[int]) -> Any:
+def _resumed(constraint: Constraint | None, done: list[int]) -> Constraint | None:
     """A constraint over a request's whole output, for a turn that starts after ``done``."""
     if constraint is None:
         return None
     return lambda ids: constraint(done + ids)
 
 
+class TurnRecorder(Protocol):
+    """What the scheduler tells an open live view (``codespec.daemon.view``'s Recorder, which
+    the service imports nothing of): each turn's proposer, wrapped to note its steps, and
+    each request's end."""
+
+    def wrap(
+        self, job: Job, proposer: Proposer | None, name: str, max_draft: int, active: int
+    ) -> Proposer | None: ...
+
+    def finish(self, job: Job, finish: str) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, engine: Any, index: LockedIndex | None, spec_cfg: Any, max_queue: int):
+    def __init__(
+        self,
+        engine: DecodingEngine,
+        index: LockedIndex | None,
+        spec_cfg: Speculation,
+        max_queue: int,
+    ) -> None:
         self.engine = engine
         self.index = index
         self.cfg = spec_cfg
@@ -204,7 +196,7 @@ class Scheduler:
         self.recent = RecentOutputs()  # what requests generated, per document: drafts
         self.warmed = 0
         self.warmed_tokens = 0
-        self.view: Any = None  # the open live view's Recorder (codespec.daemon.view), else None
+        self.view: TurnRecorder | None = None  # the open live view's recorder, else None
 
     # -- API (any thread) ---------------------------------------------------------------
     def start(self) -> None:
@@ -375,7 +367,7 @@ class Scheduler:
             self._queue.append(job)
             self._cond.notify_all()
 
-    def _plan(self, job: Job) -> tuple[Any, GenParams, RequestInfo]:
+    def _plan(self, job: Job) -> tuple[Proposer | None, GenParams, RequestInfo]:
         """This turn's proposer (speculation backs off under load), parameters and info:
         the request resumes after what it generated in earlier turns."""
         with self._cond:
@@ -385,7 +377,9 @@ class Scheduler:
         )
         # a remote engine (codespec.daemon.backends) speculates on its server: no proposer
         remote = getattr(self.engine, "remote", False)
-        proposer = None if remote else make_proposer(name, self.engine, self.index)
+        proposer: Proposer | None = None
+        if not remote:  # the daemon's own engine: the target model proposers read
+            proposer = make_proposer(name, cast("TargetModel", self.engine), self.index)
         if (view := self.view) is not None:  # the view notes this turn's steps
             proposer = view.wrap(job, proposer, name, max_draft, active)
         job.speculation_used = job.speculation_used or name
@@ -413,7 +407,7 @@ class Scheduler:
         return proposer, params, info
 
     def _decode(
-        self, job: Job, proposer: Any, params: GenParams, info: RequestInfo
+        self, job: Job, proposer: Proposer | None, params: GenParams, info: RequestInfo
     ) -> tuple[str, Stats | None]:
         """One turn of decoding under the engine lock: ``(finish reason or "" when
         preempted, the turn's stats)``. Text goes out as it is read back."""

@@ -1,8 +1,8 @@
 """Token healing: a prompt that ends inside what would be one token is backed off.
 
 Owns: the text of every vocabulary entry (:class:`TokenTexts`, built once per
-tokenizer) and :class:`Healing`, the constraint that makes the first generated
-tokens spell out the text that was backed off.
+engine and kept there: ``engine.token_texts``) and :class:`Healing`, the constraint
+that makes the first generated tokens spell out the text that was backed off.
 
 Why: a cursor rarely sits on a token boundary of the text the model would
 write. With SmolLM2's tokenizer ``"\\n        if"`` is ``["\\n       ", " if"]``:
@@ -25,14 +25,12 @@ Must not touch: the engine's loop, prompts, documents.
 from __future__ import annotations
 
 import bisect
-import weakref
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-_TEXTS: weakref.WeakKeyDictionary[Any, TokenTexts] = weakref.WeakKeyDictionary()
+from codespec.daemon.text.protocols import TextModel, Tokenizer
 
 
 class TokenTexts:
@@ -45,7 +43,7 @@ class TokenTexts:
     vocabulary) would cost each completion whose cursor follows a word.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         backend = tokenizer.backend_tokenizer
         specials = set(getattr(tokenizer, "all_special_ids", []) or [])
         for tid, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
@@ -69,15 +67,6 @@ class TokenTexts:
         self._ids_of: dict[str, list[int]] = defaultdict(list)
         for t, i in order:
             self._ids_of[t].append(i)
-
-    @classmethod
-    def of(cls, tokenizer: Any, vocab_size: int) -> TokenTexts:
-        """The table for ``tokenizer``, built on first use and kept while it lives."""
-        table = _TEXTS.get(tokenizer)
-        if table is None or len(table.text) != vocab_size:
-            table = cls(tokenizer, vocab_size)
-            _TEXTS[tokenizer] = table
-        return table
 
     def allowed(self, rest: str) -> torch.Tensor:
         """Ids whose text starts with ``rest`` or is a proper prefix of it (in no order).
@@ -120,14 +109,14 @@ class Healing:
         return mask
 
 
-def constraint(engine: Any, text: str) -> Healing | None:
+def constraint(engine: TextModel, text: str) -> Healing | None:
     """The healing constraint for ``text`` backed off a prompt (None for nothing)."""
     if not text:
         return None
-    return Healing(TokenTexts.of(engine.tokenizer, engine.runner.vocab_size), text)
+    return Healing(engine.token_texts, text)
 
 
-def heal_prompt(engine: Any, ids: list[int]) -> tuple[list[int], str]:
+def heal_prompt(engine: TextModel, ids: list[int]) -> tuple[list[int], str]:
     """Back off the prompt's last token when healing can regrow it: ``(ids, text)``.
 
     The last token stays when it is special or not a whole piece of text, or when
@@ -135,7 +124,7 @@ def heal_prompt(engine: Any, ids: list[int]) -> tuple[list[int], str]:
     """
     if len(ids) < 2:
         return ids, ""
-    texts = TokenTexts.of(engine.tokenizer, engine.runner.vocab_size)
+    texts = engine.token_texts
     last = texts.text[ids[-1]] if ids[-1] < len(texts.text) else None
     if not last:
         return ids, ""

@@ -1,10 +1,10 @@
 """A completion prompt's text before the cursor, tokenized again per keystroke only where it
 changed.
 
-Owns :class:`PrefixEncoder` (one per tokenizer, :func:`prefix_encoder`): ``encode(text)``
-equals the tokenizer's own encoding of ``text``; the part before the cursor's line is
-kept from the last keystrokes (a few recent texts), so typing on a line re-tokenizes
-only that line. Must not touch: prompts' layout and windows, documents, the model.
+Owns :class:`PrefixEncoder` (one per engine, kept there: ``engine.prefix_encoder``):
+``encode(text)`` equals the tokenizer's own encoding of ``text``; the part before the
+cursor's line is kept from the last keystrokes (a few recent texts), so typing on a line
+re-tokenizes only that line. Must not touch: prompts' layout and windows, documents, the model.
 
 Why: a completion reads ~12 characters per prompt token before the cursor (a 1,024-token
 window reads 12 KB), and tokenizing all of it again would be a noticeable part of every
@@ -42,21 +42,19 @@ from __future__ import annotations
 
 import json
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from tokenizers import normalizers, pre_tokenizers
 
-__all__ = ["PrefixEncoder", "prefix_encoder"]
+from codespec.daemon.text.protocols import Tokenizer
+
+__all__ = ["PrefixEncoder"]
 
 KEPT = 8  # texts before a cursor line kept (several documents, an edit's spots)
 MIN_CHARS = 1024  # shorter texts are encoded whole
 SEARCH = 4096  # how far back from the cursor's line a split is looked for
-
-_ENCODERS: weakref.WeakKeyDictionary[Any, PrefixEncoder] = weakref.WeakKeyDictionary()
-
 
 # Qwen2's Split regex (see the module docstring)
 QWEN2_REGEX = (
@@ -120,7 +118,7 @@ class PrefixEncoder:
     the last :data:`KEPT` texts seen, or encodes and keeps them.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.backend = tokenizer.backend_tokenizer
         self.boundary = split_rule(self.backend)
         self.exact = self.boundary is not None
@@ -162,12 +160,3 @@ class PrefixEncoder:
                 while len(self._kept) > KEPT:
                     self._kept.popitem(last=False)
         return ids + self._encode(text[q:])
-
-
-def prefix_encoder(tokenizer: Any) -> PrefixEncoder:
-    """The encoder for ``tokenizer`` (an engine's), made on first use."""
-    enc = _ENCODERS.get(tokenizer)
-    if enc is None:
-        enc = PrefixEncoder(tokenizer)
-        _ENCODERS[tokenizer] = enc
-    return enc

@@ -21,7 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from codespec.speculators.draft import Draft, Proposer, RequestInfo, StepResult
+
+if TYPE_CHECKING:
+    from codespec.daemon.service.scheduler import Job
 
 MAX_LIVE = 256  # records of requests not finished yet (a leak guard: the queue is smaller)
 MAX_STEPS = 1024  # steps kept per record (limits.max_tokens' default)
@@ -82,7 +87,9 @@ class Record:
     cache: Any = None  # the snapshot's JSON form, made once by :mod:`.snapshot`
 
 
-def rejected_path(draft: Any, accepted: Sequence[int], limit: int = MAX_REJECTED) -> list[int]:
+def rejected_path(
+    draft: Draft | None, accepted: Sequence[int], limit: int = MAX_REJECTED
+) -> list[int]:
     """The draft's tokens after the accepted path that verification turned down: the first
     child of the accepted path's last node that was not accepted, then its first children.
 
@@ -107,7 +114,7 @@ class RecordingProposer:
     """A turn's proposer (or none: plain decoding) that notes each step into ``turn``;
     otherwise the proposer itself (every other attribute is its own)."""
 
-    def __init__(self, proposer: Any, turn: Turn) -> None:
+    def __init__(self, proposer: Proposer | None, turn: Turn) -> None:
         self._proposer = proposer
         self._turn = turn
         self._t_propose = 0.0
@@ -123,19 +130,19 @@ class RecordingProposer:
     def taps(self) -> tuple[int, ...]:
         return tuple(getattr(self._proposer, "taps", ()) or ())
 
-    def begin(self, request: Any) -> None:
+    def begin(self, request: RequestInfo) -> None:
         self._turn.t_begin = time.perf_counter()
         if self._proposer is not None:
             self._proposer.begin(request)
 
-    def propose(self, context: Sequence[int], budget: int) -> Any:
+    def propose(self, context: Sequence[int], budget: int) -> Draft | None:
         self._t_propose = time.perf_counter()
         draft = self._proposer.propose(context, budget) if self._proposer is not None else None
         self._t_drafted = time.perf_counter()
         self._choice = str(getattr(self._proposer, "choice", "") or "")
         return draft
 
-    def observe(self, result: Any) -> None:
+    def observe(self, result: StepResult) -> None:
         t = time.perf_counter()
         if self._proposer is not None:
             self._proposer.observe(result)
@@ -159,7 +166,7 @@ class RecordingProposer:
             )
         )
 
-    def follow(self, result: Any) -> None:
+    def follow(self, result: StepResult) -> None:
         if self._proposer is not None:
             self._proposer.follow(result)
 
@@ -180,7 +187,9 @@ class Recorder:
     def __len__(self) -> int:
         return len(self._done)
 
-    def wrap(self, job: Any, proposer: Any, name: str, max_draft: int, active: int) -> Any:
+    def wrap(
+        self, job: Job, proposer: Proposer | None, name: str, max_draft: int, active: int
+    ) -> Proposer | None:
         """``proposer`` for this turn of ``job``, noting its steps into ``job``'s record."""
         rec = self._live.get(id(job))
         if rec is None:
@@ -193,7 +202,7 @@ class Recorder:
         rec.turns.append(turn)
         return RecordingProposer(proposer, turn)
 
-    def finish(self, job: Any, finish: str) -> None:
+    def finish(self, job: Job, finish: str) -> None:
         """``job`` ended (``finish``: its reason, or the error's code): its record, with the
         engine's figures summed over its turns (``job.totals``), joins the ring. A job that
         never ran a turn (cancelled in the queue) has none."""

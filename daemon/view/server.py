@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from codespec.daemon.service.daemon import Server
 from codespec.daemon.view import page
 from codespec.daemon.view.recorder import Record, Recorder
 from codespec.daemon.view.snapshot import record_json, status_json
@@ -33,7 +34,7 @@ CONTENT_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/ht
 class ViewServer:
     """The page of one daemon (``srv``: its :class:`~codespec.daemon.service.daemon.Server`)."""
 
-    def __init__(self, srv: Any, recorder: Recorder) -> None:
+    def __init__(self, srv: Server, recorder: Recorder) -> None:
         self.srv = srv
         self.recorder = recorder
         self.token = secrets.token_urlsafe(24)

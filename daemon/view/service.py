@@ -4,8 +4,9 @@ Owns: :func:`install` (what ``codespec serve`` calls: the ``view`` socket method
 at start when ``[view] enabled``, the page closed when the daemon stops; through the
 service's ``ADDED_METHODS`` / ``ON_START`` / ``ON_STOP``, as the service imports nothing
 of the view), :func:`open_view` / :func:`close_view` (a :class:`~.recorder.Recorder`
-handed to the scheduler and the page's server bound; then both taken away, so a closed
-view records nothing and listens nowhere), and :func:`handle`, the ``view`` method:
+handed to the scheduler and the page's server bound, kept as the server's ``view``; then
+both taken away, so a closed view records nothing and listens nowhere), and
+:func:`handle`, the ``view`` method:
 ``{"action": "open" | "close" | "status" | "export", "last"?: N}``.
 Must not touch: the scheduler's queue, the engine, frames.
 """
@@ -13,12 +14,12 @@ Must not touch: the scheduler's queue, the engine, frames.
 from __future__ import annotations
 
 import logging
-import weakref
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import msgspec
 
 from codespec.daemon.service import daemon, handlers
+from codespec.daemon.service.daemon import Server
 from codespec.daemon.service.protocol import BAD_PARAMS, ProtocolError, parse
 from codespec.daemon.view.recorder import Recorder
 
@@ -27,20 +28,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("codespec.daemon")
 
-_VIEWS: weakref.WeakKeyDictionary[Any, ViewServer] = weakref.WeakKeyDictionary()
-
 
 class ViewParams(msgspec.Struct, forbid_unknown_fields=True):
     action: Literal["open", "close", "status", "export"] = "status"
     last: int | None = None  # export: the last N requests (default: every one kept)
 
 
-def current(srv: Any) -> ViewServer | None:
-    """The daemon's open view, or None."""
-    return _VIEWS.get(srv)
+def current(srv: Server) -> ViewServer | None:
+    """The daemon's open view, or None (only this module sets ``srv.view``)."""
+    return cast("ViewServer | None", srv.view)
 
 
-def _state(srv: Any) -> dict[str, Any]:
+def _state(srv: Server) -> dict[str, Any]:
     view = current(srv)
     if view is None:
         return {"open": False, "url": None, "recorded": 0}
@@ -48,21 +47,22 @@ def _state(srv: Any) -> dict[str, Any]:
             "ring": view.recorder.ring}  # fmt: skip
 
 
-async def open_view(srv: Any) -> dict[str, Any]:
+async def open_view(srv: Server) -> dict[str, Any]:
     """Start recording and serving the page (once; a second open returns the same URL)."""
     if current(srv) is None:
         from codespec.daemon.view.server import ViewServer  # aiohttp: once a view is asked
 
         view = ViewServer(srv, Recorder(srv.config.view.ring))
         await view.start()
-        _VIEWS[srv] = view
+        srv.view = view
         srv.scheduler.view = view.recorder
     return _state(srv)
 
 
-async def close_view(srv: Any) -> dict[str, Any]:
+async def close_view(srv: Server) -> dict[str, Any]:
     """Stop recording, drop the records and stop listening."""
-    view = _VIEWS.pop(srv, None)
+    view = current(srv)
+    srv.view = None
     if view is not None:
         if srv.scheduler is not None:
             srv.scheduler.view = None
@@ -70,7 +70,7 @@ async def close_view(srv: Any) -> dict[str, Any]:
     return _state(srv)
 
 
-async def _start(srv: Any) -> None:
+async def _start(srv: Server) -> None:
     if srv.config.view.enabled:  # [view] enabled: the page from the start
         log.info("view on %s", (await open_view(srv))["url"])
 
@@ -84,7 +84,7 @@ def install() -> None:
         daemon.ON_STOP.append(close_view)
 
 
-def handle(srv: Any, raw: Any) -> Any:
+def handle(srv: Server, raw: Any) -> Any:
     """The ``view`` socket method: a result map, or an awaitable one (open / close)."""
     p = parse(raw, ViewParams)
     if p.action == "open":

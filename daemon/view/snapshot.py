@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from codespec.daemon.view.recorder import Record, Turn
+
+if TYPE_CHECKING:
+    from codespec.daemon.service.daemon import Server
 
 WINDOW = 8  # tokens decoded before each one, so a character split over tokens comes out whole
 
@@ -138,7 +141,7 @@ def record_json(rec: Record, decode: Decode, stop_ids: set[int]) -> dict[str, An
     return rec.cache
 
 
-def status_json(srv: Any) -> dict[str, Any]:
+def status_json(srv: Server) -> dict[str, Any]:
     """The daemon-wide figures the charts read: requests in flight, the index's size, KV
     slots, the policy's measurements, and the back-off's thresholds."""
     from codespec.speculators.policy import summary as policy_summary
