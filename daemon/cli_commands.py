@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from codespec.daemon.client import Client
+    from codespec.daemon.engine.engine import Engine
 
 
 class CliError(Exception):
@@ -80,7 +81,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return prompt
 
 
-def _report(engine: Any, args: argparse.Namespace, s: dict) -> None:
+def _report(engine: Engine, args: argparse.Namespace, s: dict) -> None:
     """One stats line on stderr (and the stats as JSON with ``--json``)."""
     print(
         f"[{engine.runner.name} runner, {engine.device.type}, speculation {args.speculation}] "
