@@ -36,6 +36,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     [completion]
     context = "none"          # none | header | crossfile (what precedes the prefix)
     warm_after_s = 0.4        # a typing pause after which the prompt at the cursor is pre-filled
+    middle = "line"           # line | cursor: where a FIM prompt's middle starts
 
     [workspace]
     max_file_bytes = 1000000
@@ -139,6 +140,11 @@ class Completion(_Section):
     # than the gap between keystrokes of someone typing (~150-250 ms): a warm-up between
     # keystrokes makes the next completion wait for its forward in flight.
     warm_after_s: Annotated[float, Meta(ge=0.0)] = 0.4
+    # Where a FIM model's middle starts: "line" (the start of the cursor's line: its text
+    # left of the cursor follows <|fim_middle|>, so typing on a line only appends to the
+    # prompt) or "cursor" (the prefix ends at the cursor, and every keystroke re-feeds
+    # the suffix after it).
+    middle: Literal["line", "cursor"] = "line"
 
 
 class Workspace(_Section):

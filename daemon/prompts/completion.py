@@ -44,6 +44,7 @@ from codespec.daemon.text.healing import heal_prompt
 from codespec.daemon.text.protocols import TextModel
 from codespec.daemon.text.tracker import TextTracker
 
+LINE_HEAD_CHARS = 512  # a longer text left of the cursor on its line: the middle starts at it
 TOP_TOKENS = 32  # fewer prefix tokens: the top of a file (complete_prompt's top_uri)
 FILE_SEP = "<file_sep>"  # StarCoder-style repository layout (SmolLM2's tokenizer has it)
 MARKDOWN = ("markdown", "mdx", "quarto", "rmd")
@@ -96,6 +97,7 @@ def complete_prompt(
     snippets: list[crossfile.Snippet] | None = None,
     heal: bool = True,
     top_uri: str = "",
+    middle: str = "line",
 ) -> CompletionPrompt:
     """The prompt for a completion at ``offset`` of ``text``; a blank ``text`` gives an
     empty prompt (nothing to complete: the caller answers with an empty completion), as
@@ -111,7 +113,7 @@ def complete_prompt(
     (``stop_lines``). ``top_uri``: the file, for a model without
     FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before the cursor):
     it gets the ``<file_sep>path`` header (without it SmolLM2 answers ``import `` with
-    prose).
+    prose). ``middle``: where a FIM prompt's middle starts, one of :data:`MIDDLES`.
     """
     window = min(engine.max_length, context_tokens or engine.max_length)
     budget = min(window, engine.max_length - max_tokens - 1)
@@ -128,8 +130,20 @@ def complete_prompt(
     rules = {"rest": after.split("\n", 1)[0].rstrip("\r"),
              "max_indent": indent_cap(text, line_start, offset)}  # fmt: skip
     if engine.fim is not None:
-        ids, used = _fim_complete(engine, prefix_ids, after, budget, uri, snippets or [])
-        return CompletionPrompt(ids, "", stops, first_counts, used, **rules)
+        # the middle starts at the line's start (the prefix stops there), so the prompt
+        # only grows while the user types on a line; not on a file's first line, where
+        # an empty prefix leaves the model no cue to the language
+        short = middle == "line" and line_start > 0 and offset - line_start <= LINE_HEAD_CHARS
+        head_line = text[line_start:offset] if short else ""
+        if head_line:
+            prefix_ids = engine.prefix_encoder.encode(head_text(text, line_start, chars))
+        ids, used = _fim_complete(
+            engine, prefix_ids, after, budget, uri, snippets or [], engine.encode(head_line)
+        )
+        healed = ""
+        if heal and head_line:
+            ids, healed = heal_prompt(engine, ids)
+        return CompletionPrompt(ids, healed, stops, first_counts, used, **rules)
     if not uri and top_uri and len(prefix_ids) < TOP_TOKENS:
         uri = top_uri
     head, used = _file_sep_head(engine, uri, snippets or [], budget)
@@ -169,11 +183,13 @@ def _fim_complete(
     budget: int,
     uri: str,
     snippets: list[crossfile.Snippet],
+    middle_ids: list[int],
 ) -> tuple[list[int], list[crossfile.Snippet]]:
     """A FIM model's completion prompt (:func:`complete_prompt`): ``(ids, the snippets
-    used)``. With ``uri`` or ``snippets`` and a tokenizer that has the repository-level
-    layout, the snippets (at most a third of the budget) and the current file's path come
-    first (:func:`fim.repo_head`)."""
+    used)``. ``middle_ids``: the middle's start, already written (the cursor line's text
+    left of the cursor), after ``<|fim_middle|>``. With ``uri`` or ``snippets`` and a
+    tokenizer that has the repository-level layout, the snippets (at most a third of the
+    budget) and the current file's path come first (:func:`fim.repo_head`)."""
     head: list[int] = []
     used: list[crossfile.Snippet] = []
     if engine.fim.file_sep is not None and (uri or snippets):
@@ -181,12 +197,12 @@ def _fim_complete(
         files = [(p, s.text) for p, s in zip(paths, snippets, strict=True)]
         head, n = fim.repo_head(engine.fim, engine.encode, repo, files, path, budget // 3)
         used = snippets[:n]
-    room = budget - len(head)
+    room = budget - len(head) - len(middle_ids)
     # the kept suffix tokens (at most SUFFIX_TOKENS) come from its first characters
     suffix_ids = engine.encode(after[: SUFFIX_TOKENS * CHARS_PER_TOKEN_CAP])
     suf_room = min(len(suffix_ids), SUFFIX_TOKENS, (room - 3) // 4)
     pre = window_prefix(prefix_ids, room - 3 - suf_room)
-    ids = head + fim.fim_prompt(engine.fim, pre, suffix_ids[:suf_room], room)
+    ids = head + fim.fim_prompt(engine.fim, pre, suffix_ids[:suf_room], room) + middle_ids
     return ids, used
 
 
@@ -212,6 +228,11 @@ def repo_paths(uri: str, others: list[str]) -> tuple[str, str, list[str]]:
 
 
 CONTEXTS = ("none", "header", "crossfile")
+# where a FIM prompt's middle starts: "line", at the start of the cursor's line (its text
+# left of the cursor follows <|fim_middle|>, healed; the prompt only grows while the user
+# types on the line), or "cursor" (the prefix ends at the cursor; every keystroke
+# re-feeds the suffix)
+MIDDLES = ("line", "cursor")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,7 +244,8 @@ class CompleteRequest:
     ``context_tokens``: the prompt's most tokens (snippets get a third of it);
     ``context``: the layout, one of :data:`CONTEXTS` (``none``: the prefix alone,
     ``header``: under a ``<file_sep>path`` line, ``crossfile``: after snippets of the
-    other recent documents); ``stop``: stop strings besides the line break.
+    other recent documents); ``stop``: stop strings besides the line break; ``middle``:
+    where a FIM prompt's middle starts, one of :data:`MIDDLES`.
     """
 
     offset: int
@@ -232,6 +254,7 @@ class CompleteRequest:
     context_tokens: int
     context: str = "none"
     stop: tuple[str, ...] = ()
+    middle: str = "line"
 
 
 def prepare_complete(
@@ -248,6 +271,8 @@ def prepare_complete(
     context = req.context
     if context not in CONTEXTS:
         raise ValueError(f"context must be one of {', '.join(CONTEXTS)}")
+    if req.middle not in MIDDLES:
+        raise ValueError(f"middle must be one of {', '.join(MIDDLES)}")
     picked: list[crossfile.Snippet] = []
     if context == "crossfile":
         others = [(d.uri, d.version, d.text) for d in documents.recent(exclude=doc.uri)]
@@ -262,6 +287,7 @@ def prepare_complete(
         uri=doc.uri if context != "none" else "",
         snippets=picked,
         top_uri=doc.uri,
+        middle=req.middle,
     )
     stops = list(req.stop) if req.multiline else ["\n", "\r", *req.stop]
     tracker = TextTracker(

@@ -235,6 +235,7 @@ class Methods:
             multiline=False,
             context_tokens=srv.config.limits.context_tokens,
             context=srv.config.completion.context,
+            middle=srv.config.completion.middle,
         )
         try:
             prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
@@ -277,6 +278,7 @@ class Methods:
             multiline=p.multiline,
             context_tokens=srv.config.limits.context_tokens,
             context=srv.config.completion.context,
+            middle=srv.config.completion.middle,
             stop=tuple(p.stop),
         )
         prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
