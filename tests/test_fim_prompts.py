@@ -6,6 +6,8 @@ and edits through the chat template with the old text as the draft."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from qwen_local import qwen_dir
@@ -47,16 +49,24 @@ def ids_of(engine, layout: str) -> list[int]:
     return engine.tokenizer.encode(layout, add_special_tokens=False)
 
 
-def prompt(engine, context: str, others=()) -> list[int]:
+def prepared(engine, context: str, others=(), text=TEXT, cursor=CURSOR, middle="line"):
     store = DocumentStore()
-    for uri, text in others:
-        store.open(uri, text, 1, "python")
-    doc = store.open("file:///home/u/shop/cart.py", TEXT, 1, "python")
+    for uri, other in others:
+        store.open(uri, other, 1, "python")
+    doc = store.open("file:///home/u/shop/cart.py", text, 1, "python")
     req = completion.CompleteRequest(
-        offset=CURSOR, max_tokens=16, multiline=False, context_tokens=1024, context=context
+        offset=cursor,
+        max_tokens=16,
+        multiline=False,
+        context_tokens=1024,
+        context=context,
+        middle=middle,
     )
-    prep = completion.prepare_complete(engine, store, SnippetCache(), doc, req)
-    return prep.prompt_ids
+    return completion.prepare_complete(engine, store, SnippetCache(), doc, req)
+
+
+def prompt(engine, context: str, others=()) -> list[int]:
+    return prepared(engine, context, others).prompt_ids
 
 
 def test_the_fim_tokens_and_the_stops_are_qwens(qwen_tiny):
@@ -99,6 +109,48 @@ def test_repository_level_prompt_with_other_files(qwen_tiny):
     assert all(f.split("\n", 1)[1] in OTHER.rstrip() + "\n" for f in files)
     assert ids == ids_of(qwen_tiny, text)  # the tokenizer's own ids of that layout
     assert fim_part == f"{TEXT[:CURSOR]}<|fim_suffix|>{TEXT[CURSOR:]}<|fim_middle|>"
+
+
+def test_inside_a_line_the_middle_starts_at_the_line(qwen_tiny):
+    """The cursor after ``    return res``: the prefix ends at the line's start, the
+    line's text left of the cursor follows ``<|fim_middle|>``, its last token backed off
+    for healing (the output starts with it); ``middle = "cursor"``: the prefix ends at the
+    cursor, nothing healed."""
+    line_start = TEXT.index("    return result")
+    cursor = line_start + len("    return res")
+    prep = prepared(qwen_tiny, "none", cursor=cursor)
+    layout = f"<|fim_prefix|>{TEXT[:line_start]}<|fim_suffix|>{TEXT[cursor:]}<|fim_middle|>"
+    head = qwen_tiny.tokenizer.encode(TEXT[line_start:cursor], add_special_tokens=False)
+    assert prep.prompt_ids == ids_of(qwen_tiny, layout) + head[:-1]
+    healed = qwen_tiny.tokenizer.decode(head[-1:])
+    assert TEXT[line_start:cursor].endswith(healed) and prep.constraint is not None
+    out = prep.tracker.feed(qwen_tiny.encode(healed + "ult_total\n"), final=True)[0]
+    assert out == "ult_total"  # the healed text is not part of the completion
+    old = prepared(qwen_tiny, "none", cursor=cursor, middle="cursor")
+    layout = f"<|fim_prefix|>{TEXT[:cursor]}<|fim_suffix|>{TEXT[cursor:]}<|fim_middle|>"
+    assert old.prompt_ids == ids_of(qwen_tiny, layout) and old.constraint is None
+
+
+def test_typing_on_a_line_only_appends_to_the_prompt(qwen_tiny):
+    """Each keystroke of ``    return result`` keeps the prompt through
+    ``<|fim_middle|>`` and the middle's tokens but the last two: the prefix cache
+    re-feeds a token or two, not the suffix. The first line of a file has no prefix to
+    end at its start: the cursor layout there (an empty prefix leaves Qwen guessing the
+    language)."""
+    line_start = TEXT.index("    return result")
+    typed = "    return result"
+    prompts = []
+    for n in range(5, len(typed) + 1):
+        text = TEXT[:line_start] + typed[:n] + "\n"
+        prompts.append(prepared(qwen_tiny, "none", text=text, cursor=line_start + n).prompt_ids)
+    for before, after in itertools.pairwise(prompts):
+        mid = before.index(FIM_MIDDLE)
+        assert after[: mid + 1] == before[: mid + 1]
+        pairs = enumerate(zip(before, after, strict=False))
+        common = next((i for i, (a, b) in pairs if a != b), len(before))
+        assert len(after) - common <= 2, (before[mid:], after[mid:])
+    first = prepared(qwen_tiny, "none", text="import \n", cursor=7).prompt_ids
+    assert first == ids_of(qwen_tiny, "<|fim_prefix|>import <|fim_suffix|>\n<|fim_middle|>")
 
 
 def test_the_repo_paths_of_uris():

@@ -19,7 +19,9 @@ def client(request, tmp_path_factory):
     from codespec.daemon.engine.engine import Engine
 
     engine = Engine(qwen_dir(request))
-    srv = ServerThread(daemon_config(tmp_path_factory.mktemp("qwen")), engine)
+    config = daemon_config(tmp_path_factory.mktemp("qwen"))
+    config.completion.warm_after_s = 0  # no warm-ups: the prefix cache holds what requests fed
+    srv = ServerThread(config, engine)
     try:
         with Client(srv.socket_path) as c:
             yield c
@@ -85,3 +87,26 @@ def test_an_edit_on_qwen_goes_through_its_chat_template(client):
     assert "```" not in new and new.endswith("\n"), new
     assert new.startswith("def area(") and "import" not in new and "print" not in new, new
     ast.parse(new)
+
+
+def test_a_keystroke_on_a_line_re_feeds_a_token_or_two_on_qwen(client):
+    """Typing at the end of a line with code after it: each keystroke's completion finds
+    its prompt cached up to the line's last token or two (the FIM middle starts at the
+    line's start), not re-feeding the suffix after the cursor."""
+    head = "def total(values):\n    result = 0\n    for value in values:\n        res"
+    tail = "\n    return result\n\n\nprint(total([1, 2, 3]))\n"
+    uri = _open(client, head + tail)
+    try:
+        line, col = 3, len("        res")
+        client.request("complete", {"uri": uri, "position": {"line": line, "character": col}})
+        for version, ch in enumerate("ult +", start=1):
+            pos = {"line": line, "character": col}
+            client.request("change", {"uri": uri, "version": version, "changes": [
+                {"range": {"start": pos, "end": pos}, "text": ch}]})  # fmt: skip
+            col += 1
+            pos = {"line": line, "character": col}
+            r = client.request("complete", {"uri": uri, "position": pos})
+            fed = r["stats"]["prompt_tokens"] - r["stats"]["cached_tokens"]
+            assert fed <= 2, (ch, r["stats"])
+    finally:
+        client.request("close", {"uri": uri})
