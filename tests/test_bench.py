@@ -351,3 +351,25 @@ def test_latency_typist_retypes_a_line_presses_enter_and_leaves_the_text_as_it_w
     files = [f for f, _ in order]
     assert files == [0, 0, 1, 1, 0, 0, 1, 1, 0] and order[0] == order[-1]
     assert len(set(order)) == 8
+
+
+def test_quality_bench_moves_the_cursor_into_the_line_and_compares_middles(tmp_path, capsys, model):
+    """``--at half``: the cursor half-way through the expected line (the typed half
+    joins the prefix, the rest is what is scored); ``--middles line,cursor``: a row per
+    context and middle."""
+    from codespec.daemon.bench.quality import typed_into
+
+    item = {"id": "a", "kind": "completion", "uri": "file:///pkg/ops.py", "max_tokens": 16}
+    item |= {"prefix": "def add(a, b):\n", "expected": "    return a + b\n", "suffix": "\n"}
+    half = typed_into(item, "half")
+    assert half["prefix"] + half["expected"] == item["prefix"] + item["expected"]
+    assert half["prefix"].endswith("    return") and half["expected"] == " a + b\n"
+    assert typed_into(item, "start") == item
+    wl = tmp_path / "q.jsonl"
+    wl.write_text(json.dumps(item))
+    args = ["quality", str(wl), "--variants", "none", "--middles", "line,cursor", "--at", "half"]
+    assert dispatch([*args, *model]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["at"] == "half"
+    assert [r["variant"] for r in result["rows"]] == ["none/line", "none/cursor"]
+    assert all(r["lines"] == 1 for r in result["rows"])

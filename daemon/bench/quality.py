@@ -4,12 +4,15 @@ Runs the daemon's own completion path (the document store, the prompt with its
 cross-file context, token healing, the stop rules, the scheduler; no socket) at
 real cursor positions of the ``completion`` and ``function`` workloads that
 ``codespec bench make-workloads`` writes, once per prompt variant
-(``--variants none,header,crossfile``, see :data:`codespec.daemon.prompts.completion.CONTEXTS`):
+(``--variants none,header,crossfile``, see :data:`codespec.daemon.prompts.completion.CONTEXTS`;
+``--middles line,cursor``, where a FIM prompt's middle starts, each variant once per
+middle):
 
-- ``completion`` items (the cursor at the start of a body line): a single-line
-  request, its line against the file's real next line — exact match (whitespace
-  at the ends aside) and character similarity (difflib's ratio); and a
-  multi-line request, checked for looping.
+- ``completion`` items (the cursor at the start of a body line; ``--at``: after its
+  indentation, after 4 more characters, or half-way through the rest, as while typing
+  it): a single-line request, its line (the rest of it) against the file's real next
+  line — exact match (whitespace at the ends aside) and character similarity
+  (difflib's ratio); and a multi-line request, checked for looping.
 - ``function`` items (the cursor after a ``def`` line): a multi-line request,
   cut where the block ends as the editor clients cut it; whether ``def`` + body
   parses, and whether it loops.
@@ -67,7 +70,9 @@ def parses(header: str, body: str) -> bool:
 class Runner:
     """The daemon's completion path without the socket, over one engine."""
 
-    def __init__(self, engine: Engine, speculation: str, context_tokens: int) -> None:
+    def __init__(
+        self, engine: Engine, speculation: str, context_tokens: int, middle: str = "line"
+    ) -> None:
         from codespec.daemon.config import Speculation
         from codespec.daemon.prompts.crossfile import SnippetCache
         from codespec.daemon.service.scheduler import Scheduler
@@ -75,6 +80,7 @@ class Runner:
         self.engine = engine
         self.speculation = speculation
         self.context_tokens = context_tokens
+        self.middle = middle  # where a FIM prompt's middle starts (prompts.completion.MIDDLES)
         self.snippets = SnippetCache()
         self.scheduler = Scheduler(engine, None, Speculation(), max_queue=4)
         self.scheduler.start()
@@ -97,6 +103,7 @@ class Runner:
             multiline=multiline,
             context_tokens=self.context_tokens,
             context=variant,
+            middle=self.middle,
         )
         prep = completion.prepare_complete(self.engine, store, self.snippets, doc, req)
         job = prepared_job(prep, GenParams(max_tokens=max_tokens), self.speculation,
@@ -109,6 +116,28 @@ class Runner:
         self.scheduler.stop()
 
 
+AT = ("start", "indent", "4", "half")  # where in its line a completion item's cursor stands
+
+
+def typed_into(item: dict[str, Any], at: str) -> dict[str, Any]:
+    """``item`` with its cursor moved into the expected first line as if the user had
+    typed part of it (:data:`AT`): ``start`` leaves it; ``indent``: after the line's
+    indentation; ``4``: 4 characters after that; ``half``: half-way through the rest.
+    The part typed moves from ``expected`` to ``prefix``.
+
+    >>> it = {"prefix": "def f():\\n", "expected": "    return 1\\n", "suffix": ""}
+    >>> [typed_into(it, a)["expected"] for a in AT]
+    ['    return 1\\n', 'return 1\\n', 'rn 1\\n', 'rn 1\\n']
+    """
+    line = item["expected"].split("\n", 1)[0]
+    indent = len(line) - len(line.lstrip())
+    body = len(line) - indent
+    k = {"start": 0, "indent": indent, "4": indent + min(4, body - 1),
+         "half": indent + body // 2}[at]  # fmt: skip
+    k = max(0, min(k, len(line) - 1))
+    return {**item, "prefix": item["prefix"] + line[:k], "expected": item["expected"][k:]}
+
+
 def block(item: dict[str, Any], text: str) -> str:
     """``text`` cut where the block ends, as the editor clients cut it."""
     from codespec.lsp.postprocess import CursorContext, truncate_block
@@ -119,7 +148,7 @@ def block(item: dict[str, Any], text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from codespec.daemon.prompts.completion import CONTEXTS
+    from codespec.daemon.prompts.completion import CONTEXTS, MIDDLES
 
     p = argparse.ArgumentParser(prog="codespec bench quality", description=__doc__.split("\n")[0])
     p.add_argument("workload", nargs="+", help="completion / function workloads (JSONL)")
@@ -127,18 +156,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=0, help="use only the first N items of each")
     p.add_argument("--speculation", default="auto", help="decoding method (output is the same)")
     p.add_argument("--context", type=int, default=1024, help="prompt tokens at most")
+    p.add_argument("--middles", default="line", help="of line, cursor (FIM models)")
+    p.add_argument("--at", default="start", choices=AT,
+                   help="where in its line a completion item's cursor stands")  # fmt: skip
     add_engine_args(p, threads=2)
     args = p.parse_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in variants if v not in CONTEXTS]
+    contexts = [v.strip() for v in args.variants.split(",") if v.strip()]
+    middles = [m.strip() for m in args.middles.split(",") if m.strip()]
+    bad = [v for v in contexts if v not in CONTEXTS] + [m for m in middles if m not in MIDDLES]
     if bad:
-        p.error(f"unknown variants {bad}; choose from {', '.join(CONTEXTS)}")
+        p.error(f"unknown variants {bad}; choose from {', '.join(CONTEXTS + MIDDLES)}")
+    variants = [f"{c}/{m}" if len(middles) > 1 else c for c in contexts for m in middles]
     items: list[dict[str, Any]] = []
     for path in args.workload:
         wl = [it for it in load_workload(path) if it.get("kind") in ("completion", "function")]
         if any("expected" not in it for it in wl):
             p.error(f"{path}: items lack 'expected'; rebuild with codespec bench make-workloads")
-        items += wl[: args.limit] if args.limit else wl
+        wl = wl[: args.limit] if args.limit else wl
+        items += [typed_into(it, args.at) if it["kind"] == "completion" else it for it in wl]
     if not items:
         p.error("no completion or function items in the workloads")
     engine = open_engine(args)
@@ -148,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n, item in enumerate(items):
             for v in variants:  # variants alternate per item, so drift hits them alike
-                _score(runner, item, v, rows[v])
+                context, _, middle = v.partition("/")
+                runner.middle = middle or middles[0]
+                _score(runner, item, context, rows[v])
             print(f"  [{n + 1}/{len(items)}] {item['id']}", flush=True, file=sys.stderr)
     finally:
         runner.close()
@@ -182,7 +219,7 @@ def _report(rows: dict[str, dict[str, Any]], engine: Engine, args: argparse.Name
         f"codespec bench quality ({date.today()}, model {engine.model_name}, "
         f"{engine.runner.name} runner, {args.threads} threads)"
     )
-    head = f"{'variant':<11}{'lines':>6}{'exact':>8}{'similar':>9}"
+    head = f"{'variant':<16}{'lines':>6}{'exact':>8}{'similar':>9}"
     head += f"{'funcs':>7}{'parse':>8}{'loops':>8}{'cut':>7}"
     print(head)
     print("-" * len(head))
@@ -194,7 +231,7 @@ def _report(rows: dict[str, dict[str, Any]], engine: Engine, args: argparse.Name
         parse = r["parses"] / f if f else 0.0
         loop = r["loops"] / m if m else 0.0
         cut = r["cut"] / m if m else 0.0
-        print(f"{v:<11}{c:>6}{exact:>8.1%}{sim:>9.3f}{f:>7}{parse:>8.1%}{loop:>8.1%}{cut:>7.1%}")
+        print(f"{v:<16}{c:>6}{exact:>8.1%}{sim:>9.3f}{f:>7}{parse:>8.1%}{loop:>8.1%}{cut:>7.1%}")
         out.append(
             {
                 "variant": v,
@@ -208,5 +245,6 @@ def _report(rows: dict[str, dict[str, Any]], engine: Engine, args: argparse.Name
                 "loops_cut": round(cut, 4),
             }
         )
-    summary = {"bench": "quality", "date": str(date.today()), "model": engine.model_name}
+    summary = {"bench": "quality", "date": str(date.today()), "model": engine.model_name,
+               "at": args.at}  # fmt: skip
     print(json.dumps({**summary, "rows": out}))
