@@ -2,7 +2,8 @@
 
 Owns one measurement: for SmolLM2-135M's matrix shapes (576->960
 q+k+v, 576->576 o, 576->3072 gate+up, 1536->576 down in Q4_1; the 49152x576 LM head in
-Q8_0) and rows M in 1, 2, 4, 8, 16, the time of one product ``x @ W^T`` by
+Q8_0; with ``--shapes``, Qwen2.5-Coder's Q5_0, Q4_K and Q6_K ones too) and rows M
+in 1, 2, 4, 8, 16, the time of one product ``x @ W^T`` by
 
 - ``gguf``: :func:`codespec.daemon.engine.quant_gemm.linear` on the GGUF blocks (exact widening);
 - ``gguf-i8``: :func:`codespec.daemon.engine.quant_gemm.linear_i8` (x rounded to int8 per 32);
@@ -47,6 +48,13 @@ SHAPES = [
     ("gate+up", 576, 3072, "Q4_1"),
     ("down", 1536, 576, "Q4_1"),
     ("lm_head", 576, 49152, "Q8_0"),
+]
+# Qwen2.5-Coder's block types (--shapes q5_0-ffn,q4k-ffn,q6k-down; not run by default):
+# the 0.5B's Q5_0 gate+up, the 1.5B's Q4_K gate+up and Q6_K down
+QWEN_SHAPES = [
+    ("q5_0-ffn", 896, 9728, "Q5_0"),
+    ("q4k-ffn", 1536, 17920, "Q4_K"),
+    ("q6k-down", 8960, 1536, "Q6_K"),
 ]
 ROWS = [1, 2, 4, 8, 16]
 Product = Callable[[torch.Tensor, Any], torch.Tensor]
@@ -260,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="codespec bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="threads per product (default 2)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to sweep")
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="shapes to run")
+    qwen = ",".join(s[0] for s in QWEN_SHAPES)
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                    help=f"shapes to run (also: {qwen})")  # fmt: skip
     ap.add_argument("--reps", type=int, default=41, help="interleaved repetitions (median)")
     ap.add_argument("--calls", type=int, default=8, help="products timed per repetition")
     ap.add_argument(
@@ -299,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         f"cold {args.cold_mb:g} MB per method"
     )
     results: list[dict[str, Any]] = []
-    for name, k, n, qtype in SHAPES:
+    for name, k, n, qtype in SHAPES + QWEN_SHAPES:
         if name not in wanted:
             continue
         methods, w = methods_for(k, n, qtype, args.threads, args.cold_mb, rng)
