@@ -56,6 +56,7 @@ QWEN_SHAPES = [
     ("q4k-ffn", 1536, 17920, "Q4_K"),
     ("q6k-down", 8960, 1536, "Q6_K"),
 ]
+QWEN_NAMES = ",".join(s[0] for s in QWEN_SHAPES)
 ROWS = [1, 2, 4, 8, 16]
 Product = Callable[[torch.Tensor, Any], torch.Tensor]
 
@@ -268,9 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="codespec bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="threads per product (default 2)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M to sweep")
-    qwen = ",".join(s[0] for s in QWEN_SHAPES)
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
-                    help=f"shapes to run (also: {qwen})")  # fmt: skip
+                    help=f"shapes to run (also: {QWEN_NAMES})")  # fmt: skip
     ap.add_argument("--reps", type=int, default=41, help="interleaved repetitions (median)")
     ap.add_argument("--calls", type=int, default=8, help="products timed per repetition")
     ap.add_argument(

@@ -103,7 +103,8 @@ def complete_prompt(
     empty prompt (nothing to complete: the caller answers with an empty completion), as
     does an empty one below.
 
-    FIM models get ``<prefix> P <suffix> S <middle>``. Models without FIM tokens get a
+    FIM models get ``<prefix> P <suffix> S <middle> M`` (``M``: the middle's start, see
+    ``middle``, one of :data:`MIDDLES`). Models without FIM tokens get a
     left-to-right prompt: with ``<file_sep>`` in the vocabulary, the ``snippets`` of
     other files and then the current file, each under a ``<file_sep>path`` header as
     repository-level training data is laid out; then the prefix, its last token backed
@@ -113,7 +114,7 @@ def complete_prompt(
     (``stop_lines``). ``top_uri``: the file, for a model without
     FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before the cursor):
     it gets the ``<file_sep>path`` header (without it SmolLM2 answers ``import `` with
-    prose). ``middle``: where a FIM prompt's middle starts, one of :data:`MIDDLES`.
+    prose).
     """
     window = min(engine.max_length, context_tokens or engine.max_length)
     budget = min(window, engine.max_length - max_tokens - 1)
@@ -122,27 +123,19 @@ def complete_prompt(
     if not text.strip():
         return CompletionPrompt([])
     chars = budget * CHARS_PER_TOKEN_CAP
-    prefix_ids = engine.prefix_encoder.encode(head_text(text, offset, chars))
-    after = text[offset : offset + chars]
     line_start = text.rfind("\n", 0, offset) + 1
+    head_line = _middle_head(engine, text, line_start, offset, middle)
+    # the prefix ends where the middle starts: the cursor, or its line's start
+    prefix_ids = engine.prefix_encoder.encode(head_text(text, offset - len(head_line), chars))
+    after = text[offset : offset + chars]
     stops = next_lines(after)
     first_counts = not text[line_start:offset].strip()
     rules = {"rest": after.split("\n", 1)[0].rstrip("\r"),
              "max_indent": indent_cap(text, line_start, offset)}  # fmt: skip
     if engine.fim is not None:
-        # the middle starts at the line's start (the prefix stops there), so the prompt
-        # only grows while the user types on a line; not on a file's first line, where
-        # an empty prefix leaves the model no cue to the language
-        short = middle == "line" and line_start > 0 and offset - line_start <= LINE_HEAD_CHARS
-        head_line = text[line_start:offset] if short else ""
-        if head_line:
-            prefix_ids = engine.prefix_encoder.encode(head_text(text, line_start, chars))
-        ids, used = _fim_complete(
-            engine, prefix_ids, after, budget, uri, snippets or [], engine.encode(head_line)
-        )
-        healed = ""
-        if heal and head_line:
-            ids, healed = heal_prompt(engine, ids)
+        mid = engine.encode(head_line)
+        ids, used = _fim_complete(engine, prefix_ids, after, budget, uri, snippets or [], mid)
+        ids, healed = heal_prompt(engine, ids) if heal and head_line else (ids, "")
         return CompletionPrompt(ids, healed, stops, first_counts, used, **rules)
     if not uri and top_uri and len(prefix_ids) < TOP_TOKENS:
         uri = top_uri
@@ -154,6 +147,18 @@ def complete_prompt(
     if heal and prefix_ids:
         ids, healed = heal_prompt(engine, ids)
     return CompletionPrompt(ids, healed, stops, first_counts, used, **rules)
+
+
+def _middle_head(engine: TextModel, text: str, line_start: int, offset: int, middle: str) -> str:
+    """The text a FIM prompt's middle starts with: with ``middle = "line"``, the cursor
+    line's text left of the cursor (the prefix then stops at the line's start, so the
+    prompt only grows while the user types on the line). Nothing for a model without FIM
+    tokens, with ``middle = "cursor"``, on a file's first line (an empty prefix would leave
+    the model no cue to the language) or after more than :data:`LINE_HEAD_CHARS`.
+    """
+    if engine.fim is None or middle != "line" or line_start == 0:
+        return ""
+    return text[line_start:offset] if offset - line_start <= LINE_HEAD_CHARS else ""
 
 
 def _file_sep_head(
