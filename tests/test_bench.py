@@ -373,3 +373,31 @@ def test_quality_bench_moves_the_cursor_into_the_line_and_compares_middles(tmp_p
     assert result["at"] == "half"
     assert [r["variant"] for r in result["rows"]] == ["none/line", "none/cursor"]
     assert all(r["lines"] == 1 for r in result["rows"])
+
+
+def test_latency_throughput_gives_each_client_a_file_of_its_own(daemon, monkeypatch):
+    """``bench latency``'s throughput: client k opens ``texts[k]`` (no two clients share a
+    prompt's start) and asks at spots spread over its own file; the tokens add up."""
+    from codespec.daemon.bench import latency
+    from codespec.daemon.client import Client
+
+    sent: list[tuple[str, dict]] = []
+    real = Client.request
+
+    def recording(self, method, params=None, on_delta=None):
+        sent.append((method, params))
+        return real(self, method, params, on_delta)
+
+    monkeypatch.setattr(Client, "request", recording)
+    texts = [
+        "".join(f"a{i} = {i}\n" for i in range(30)),
+        "".join(f"b{i} = {i}\n" for i in range(12)),
+    ]
+    r = latency.throughput(daemon.socket_path, texts, 2, 2, "off")
+    opened = {p["uri"]: p["text"] for m, p in sent if m == "open"}
+    assert sorted(opened.values()) == sorted(texts)
+    asked = {(p["uri"], p["position"]["line"]) for m, p in sent if m == "complete"}
+    for uri, text in opened.items():
+        n = len(text.splitlines())
+        assert {line for u, line in asked if u == uri} == {n // 3, 2 * n // 3}
+    assert r["tokens"] > 0

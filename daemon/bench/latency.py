@@ -9,11 +9,12 @@ uses ``--socket`` of a running one), opens real source files and
   single-line ``complete`` of up to 16 tokens after each keystroke, streamed;
   p50 / p99 of the time to the first streamed piece (the first ghost-text line)
   and to the final result, per kind of keystroke;
-- throughput: 1, 4 and 8 concurrent clients, each on its own copy of the file,
-  each asking multi-line completions, speculation auto vs off; tokens/s over
-  the wall-clock time of each round, rounds alternating which method goes first
-  (``--rounds``; a shared machine's noise then hits both alike), the mean of
-  the rounds reported.
+- throughput: 1, 4 and 8 concurrent clients, each on a file of its own
+  (``--throughput-files``), each asking multi-line completions, speculation auto vs
+  off; each run on a fresh daemon, so every request is the first at its spot (no
+  prompt cached by an earlier run or another client); tokens/s over the wall-clock
+  time of each run, runs alternating which method goes first (``--rounds``; a shared
+  machine's noise then hits both alike), the mean of the rounds reported.
 
 Prints a table and ends with one JSON line. Must not touch the daemon's insides:
 everything goes through :class:`codespec.daemon.client.Client`.
@@ -44,6 +45,11 @@ DEFAULT_FILES = [
     Path(os.__file__).parent / "textwrap.py",
     Path(json.__file__).parent / "decoder.py",
 ]
+_LIB = Path(os.__file__).parent
+# one file per throughput client (8 at most), the first being the typing files' first
+THROUGHPUT_FILES = [_LIB / f for f in ("textwrap.py", "json/decoder.py", "json/encoder.py",
+                                        "csv.py", "shlex.py", "fractions.py", "heapq.py",
+                                        "calendar.py")]  # fmt: skip
 KEYSTROKES_PER_LINE = 14  # characters typed (one completion each) on every retyped line
 
 
@@ -217,12 +223,14 @@ def typing_latency(
 _RUNS = itertools.count()
 
 
-def throughput(sock: str, text: str, clients: int, per_client: int, speculation: str) -> dict:
-    """``clients`` clients at once, each on its own copy of ``text`` under a name no earlier
-    run used: the daemon keeps what requests on a document generated as drafts for the next
-    ones there (``ngram:recent``), so a round that asked again at the same spots of the
-    same document would be drafted whole by the round before it."""
-    lines = text.splitlines(keepends=True)
+def throughput(
+    sock: str, texts: list[str], clients: int, per_client: int, speculation: str
+) -> dict:
+    """``clients`` clients at once, client k on ``texts[k]`` (cycled), under a name no
+    earlier run used (the daemon keeps what requests on a document generated as drafts
+    for the next ones there: ``ngram:recent``); ``per_client`` spots spread over the
+    file. On a fresh daemon with a file per client, every request is the first at its
+    spot: no other request's prompt shares its start."""
     tokens = [0] * clients
     errors: list[str] = []
     barrier = threading.Barrier(clients)
@@ -230,12 +238,14 @@ def throughput(sock: str, text: str, clients: int, per_client: int, speculation:
 
     def run(k: int) -> None:
         uri = f"file:///bench/tp{run_id}-{k}.py"
+        text = texts[k % len(texts)]
+        lines = text.splitlines(keepends=True)
         try:
             with Client(sock) as c:
                 c.request("open", {"uri": uri, "text": text})
                 barrier.wait()
                 for j in range(per_client):
-                    line = (len(lines) * (j + 1)) // (per_client + 1) + k
+                    line = (len(lines) * (j + 1)) // (per_client + 1)
                     r = c.request(
                         "complete",
                         {
@@ -388,15 +398,21 @@ def main(argv: list[str] | None = None) -> int:
             proc, sock, _ = (None, args.socket, "") if args.socket else start_daemon(
                 args.threads, extra)  # fmt: skip
             lat[spec] = typing_latency(sock, texts, spec, args.pause_ms / 1000, args.spots)
+            if spec == "auto":  # the proposers' figures of the auto daemon
+                with Client(sock) as c:
+                    status = c.request("stats")
+        tp_texts = [f.read_text(encoding="utf-8") for f in THROUGHPUT_FILES]
         for n in [int(x) for x in args.clients.split(",") if x]:
             rounds: dict[str, list[dict]] = {"off": [], "auto": []}
             for r in range(args.rounds):
                 for spec in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
-                    rounds[spec].append(throughput(sock, texts[0], n, args.per_client, spec))
+                    if not args.socket:  # a fresh daemon: no prompt cached by earlier runs
+                        proc.terminate()
+                        proc.wait(30)
+                        proc, sock, _ = start_daemon(args.threads, extra)
+                    rounds[spec].append(throughput(sock, tp_texts, n, args.per_client, spec))
             for spec, runs in rounds.items():
                 tp[spec][n] = mean_rounds(runs)
-        with Client(sock) as c:
-            status = c.request("stats")
     finally:
         if proc is not None:
             proc.terminate()
