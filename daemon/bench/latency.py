@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         lat, status = compare_configs(args, texts, extra)
         report(files, lat, {"auto": {}, "off": {}}, status, "config")
         return 0
-    lat, tp, status = {}, {"auto": {}, "off": {}}, {}
+    lat: dict[str, Any] = {}
+    status: dict[str, Any] = {}
     proc = None
     try:
         for spec in ("auto", "off"):  # a fresh daemon per method: equal, cold caches
@@ -401,24 +402,36 @@ def main(argv: list[str] | None = None) -> int:
             if spec == "auto":  # the proposers' figures of the auto daemon
                 with Client(sock) as c:
                     status = c.request("stats")
-        tp_texts = [f.read_text(encoding="utf-8") for f in THROUGHPUT_FILES]
-        for n in [int(x) for x in args.clients.split(",") if x]:
-            rounds: dict[str, list[dict]] = {"off": [], "auto": []}
-            for r in range(args.rounds):
-                for spec in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
-                    if not args.socket:  # a fresh daemon: no prompt cached by earlier runs
-                        proc.terminate()
-                        proc.wait(30)
-                        proc, sock, _ = start_daemon(args.threads, extra)
-                    rounds[spec].append(throughput(sock, tp_texts, n, args.per_client, spec))
-            for spec, runs in rounds.items():
-                tp[spec][n] = mean_rounds(runs)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    tp = throughput_runs(args, extra)
     report(files, lat, tp, status)
     return 0
+
+
+def throughput_runs(args: argparse.Namespace, extra: list[str]) -> dict[str, dict[int, Any]]:
+    """Per method and client count, the mean of ``--rounds`` throughput runs, rounds
+    alternating which method goes first; each run on a fresh daemon (unless ``--socket``)."""
+    tp: dict[str, dict[int, Any]] = {"auto": {}, "off": {}}
+    texts = [f.read_text(encoding="utf-8") for f in THROUGHPUT_FILES]
+    for n in [int(x) for x in args.clients.split(",") if x]:
+        rounds: dict[str, list[dict]] = {"off": [], "auto": []}
+        for r in range(args.rounds):
+            for spec in ("off", "auto") if r % 2 == 0 else ("auto", "off"):
+                if args.socket:
+                    rounds[spec].append(throughput(args.socket, texts, n, args.per_client, spec))
+                    continue
+                proc, sock, _ = start_daemon(args.threads, extra)  # no prompt cached yet
+                try:
+                    rounds[spec].append(throughput(sock, texts, n, args.per_client, spec))
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+        for spec, runs in rounds.items():
+            tp[spec][n] = mean_rounds(runs)
+    return tp
 
 
 def report(
