@@ -44,7 +44,7 @@ from codespec.daemon.text.healing import heal_prompt
 from codespec.daemon.text.protocols import TextModel
 from codespec.daemon.text.tracker import TextTracker
 
-LINE_HEAD_CHARS = 512  # a longer text left of the cursor on its line: the middle starts at it
+LINE_HEAD_CHARS = 512  # the most line text a FIM middle starts with (more: it starts at the cursor)
 TOP_TOKENS = 32  # fewer prefix tokens: the top of a file (complete_prompt's top_uri)
 FILE_SEP = "<file_sep>"  # StarCoder-style repository layout (SmolLM2's tokenizer has it)
 MARKDOWN = ("markdown", "mdx", "quarto", "rmd")
