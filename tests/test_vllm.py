@@ -190,11 +190,13 @@ def test_server_killed_mid_request_then_back_with_ngram(daemon, server):
         rid = c.send("generate", {"prompt": "def quicksort(items):\n", "max_tokens": 1000,
                                   "stream": True})  # fmt: skip
         _first_delta(c, rid)
-        threading.Thread(target=server.kill).start()
+        killer = threading.Thread(target=server.kill)
+        killer.start()
         with pytest.raises(DaemonError) as err:
             c.wait(rid)
         assert err.value.code == "backend", err.value.message
         assert server.url in err.value.message
+        killer.join()  # the server is gone (its port refuses connections)
         s = c.request("stats")
         assert s["backend"]["health"] != "ok" and "down" in s["backend"]["health"]
         with pytest.raises(DaemonError) as err:

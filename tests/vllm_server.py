@@ -85,10 +85,19 @@ class VllmServer:
             return None
 
     def kill(self) -> None:
-        """SIGKILL the server's whole process group (its engine core is a child)."""
+        """SIGKILL the server's whole process group (its engine core is a child), and wait
+        until its port refuses connections: a child still holding the listening socket
+        would accept one and reset it, which is not yet "down"."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+            except OSError:
+                return
+            time.sleep(0.1)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
