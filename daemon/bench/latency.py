@@ -9,8 +9,8 @@ uses ``--socket`` of a running one), opens real source files and
   single-line ``complete`` of up to 16 tokens after each keystroke, streamed;
   p50 / p99 of the time to the first streamed piece (the first ghost-text line)
   and to the final result, per kind of keystroke;
-- throughput: 1, 4 and 8 concurrent clients, each on a file of its own
-  (``--throughput-files``), each asking multi-line completions, speculation auto vs
+- throughput: 1, 4 and 8 concurrent clients, each on a stdlib file of its own
+  (:data:`THROUGHPUT_FILES`), each asking multi-line completions, speculation auto vs
   off; each run on a fresh daemon, so every request is the first at its spot (no
   prompt cached by an earlier run or another client); tokens/s over the wall-clock
   time of each run, runs alternating which method goes first (``--rounds``; a shared
@@ -41,11 +41,8 @@ from codespec.daemon.client import Client
 from codespec.daemon.engine.models import models_root
 from codespec.native import kernel_dir
 
-DEFAULT_FILES = [
-    Path(os.__file__).parent / "textwrap.py",
-    Path(json.__file__).parent / "decoder.py",
-]
 _LIB = Path(os.__file__).parent
+DEFAULT_FILES = [_LIB / "textwrap.py", _LIB / "json" / "decoder.py"]
 # one file per throughput client (8 at most), the first being the typing files' first
 THROUGHPUT_FILES = [_LIB / f for f in ("textwrap.py", "json/decoder.py", "json/encoder.py",
                                         "csv.py", "shlex.py", "fractions.py", "heapq.py",

@@ -70,9 +70,7 @@ def parses(header: str, body: str) -> bool:
 class Runner:
     """The daemon's completion path without the socket, over one engine."""
 
-    def __init__(
-        self, engine: Engine, speculation: str, context_tokens: int, middle: str = "line"
-    ) -> None:
+    def __init__(self, engine: Engine, speculation: str, context_tokens: int) -> None:
         from codespec.daemon.config import Speculation
         from codespec.daemon.prompts.crossfile import SnippetCache
         from codespec.daemon.service.scheduler import Scheduler
@@ -80,7 +78,7 @@ class Runner:
         self.engine = engine
         self.speculation = speculation
         self.context_tokens = context_tokens
-        self.middle = middle  # where a FIM prompt's middle starts (prompts.completion.MIDDLES)
+        self.middle = "line"  # where a FIM prompt's middle starts (prompts.completion.MIDDLES)
         self.snippets = SnippetCache()
         self.scheduler = Scheduler(engine, None, Speculation(), max_queue=4)
         self.scheduler.start()
@@ -166,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in contexts if v not in CONTEXTS] + [m for m in middles if m not in MIDDLES]
     if bad:
         p.error(f"unknown variants {bad}; choose from {', '.join(CONTEXTS + MIDDLES)}")
-    variants = [f"{c}/{m}" if len(middles) > 1 else c for c in contexts for m in middles]
+    # (label, context, middle): a row per context, per middle where more than one is asked
+    variants = [(f"{c}/{m}" if len(middles) > 1 else c, c, m) for c in contexts for m in middles]
     items: list[dict[str, Any]] = []
     for path in args.workload:
         wl = [it for it in load_workload(path) if it.get("kind") in ("completion", "function")]
@@ -179,12 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = open_engine(args)
     runner = Runner(engine, args.speculation, args.context)
     rows = {v: {"completion": 0, "exact": 0, "similarity": 0.0, "function": 0, "parses": 0,
-                "multi": 0, "loops": 0, "cut": 0} for v in variants}  # fmt: skip
+                "multi": 0, "loops": 0, "cut": 0} for v, _, _ in variants}  # fmt: skip
     try:
         for n, item in enumerate(items):
-            for v in variants:  # variants alternate per item, so drift hits them alike
-                context, _, middle = v.partition("/")
-                runner.middle = middle or middles[0]
+            for v, context, middle in variants:  # alternating per item: drift hits all alike
+                runner.middle = middle
                 _score(runner, item, context, rows[v])
             print(f"  [{n + 1}/{len(items)}] {item['id']}", flush=True, file=sys.stderr)
     finally:
