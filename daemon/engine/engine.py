@@ -196,6 +196,7 @@ class Engine(ModelTarget):
         runner: str = "auto",
         max_length: int | None = None,
         max_slots: int = 4,
+        max_run_tokens: int = 0,
     ) -> None:
         self.model_path = resolve_model_path(model)
         self.device = pick_device(device)
@@ -208,7 +209,7 @@ class Engine(ModelTarget):
         vocab = self.tokenizer.get_vocab()
         self.fim: FimTokens | None = find_fim(vocab)
         self.stop_ids = stop_token_ids(vocab, self.tokenizer.eos_token_id, self.fim)
-        self.slots = CacheSlots(self.runner, max_slots)
+        self.slots = CacheSlots(self.runner, max_slots, max_run_tokens)
         # the taps the last request's prefill kept (its proposers read them): a warm-up
         # keeps them too, else that request's successor re-feeds every warmed token
         self.warm_taps: tuple[int, ...] = ()
@@ -246,6 +247,16 @@ class Engine(ModelTarget):
         return self.slots.max_slots
 
     @property
+    def max_run_tokens(self) -> int:
+        """Tokens of file runs the engine keeps (0: it keeps none)."""
+        return self.slots.max_run_tokens
+
+    def runs_stats(self) -> dict[str, int]:
+        """The file runs' tokens now, their most, and the requests that started from one."""
+        s = self.slots
+        return {"tokens": s.run_tokens, "max_tokens": s.max_run_tokens, "forks": s.forks}
+
+    @property
     def cached_ids(self) -> list[int]:
         return self.slots.cached_ids
 
@@ -275,14 +286,18 @@ class Engine(ModelTarget):
         not prefill)."""
         return self.slots.cached(prompt)
 
-    def warm(self, prompt: list[int], yield_to: Callable[[], bool], chunk: int = 128) -> int:
+    def warm(
+        self, prompt: list[int], yield_to: Callable[[], bool], chunk: int = 128, run: bool = False
+    ) -> int:
         """Prefill ``prompt`` but its last token into its cache slot ahead of a request,
         ``chunk`` tokens at a time, stopping early when ``yield_to()`` says a request
         waits (what was fed stays cached). Returns the prompt tokens now cached. The
         positions fed keep :attr:`warm_taps`, the taps the last request kept, so a request
-        like it reuses them (one with taps reuses only positions that have them)."""
+        like it reuses them (one with taps reuses only positions that have them). With
+        ``run``, ``prompt`` is a file run, kept in a slot requests copy from instead of
+        writing into (:mod:`~codespec.daemon.engine.slots`)."""
         taps = self.warm_taps
-        self.slots.pick(prompt)
+        self.slots.pick(prompt, run=run)
         common = self.slots.reusable(prompt, taps)
         self.runner.truncate(common)
         self.slots.record_prompt(prompt[:common], common, None)  # even if nothing is fed

@@ -316,6 +316,27 @@ class LeanRunner:
     def new_cache_state(self) -> object:
         return (self._fresh_cache(), 0)
 
+    def copy_cache(self, state: object, n: int) -> object:
+        """A new cache holding ``state``'s first ``n`` positions (whole 16-key tiles and
+        value pairs are copied; rows past ``n`` are never read)."""
+        kv, length = state  # type: ignore[misc]
+        n = min(n, length)
+        dst = self._fresh_cache()
+        if n == 0:
+            return (dst, 0)
+        if self.stack is None:
+            dst[:, :, :, :n].copy_(kv[:, :, :, :n])
+            return (dst, n)
+        s, d = qstack.cache_rows(self.max_length), self.head_dim
+        dp = qstack.head_dim_padded(d)
+        k_end = self.n_kv * s * d  # per layer: every head's keys, then every head's values
+        for lo, hi, width, rows in ((0, k_end, d, -(-n // 16) * 16),  # whole 16-key tiles
+                                    (k_end, None, dp, -(-n // 2) * 2)):  # value pairs  # fmt: skip
+            shape = (self.num_layers, self.n_kv, s * width)
+            part = slice(0, min(s, rows) * width)
+            dst[:, lo:hi].view(shape)[:, :, part].copy_(kv[:, lo:hi].view(shape)[:, :, part])
+        return (dst, n)
+
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self._len:
             raise ValueError(f"cannot truncate a cache of {self._len} tokens to {n}")

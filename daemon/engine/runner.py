@@ -37,6 +37,9 @@ The cache verbs, the contract every runner keeps:
                         another one, and a fresh empty one: the engine keeps
                         several caches (slots) and swaps them in, so requests
                         on different documents do not evict each other.
+- ``copy_cache(state, n)`` a new cache state holding the first n positions of
+                        ``state`` (which is left as it was): a request starts
+                        from a file run's prefix without writing into the run.
 
 Tree positions and masks are derived from the parent array by
 :func:`tree_layout`, shared by every runner so they agree by construction.
@@ -44,6 +47,7 @@ Tree positions and masks are derived from the parent array by
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 from typing import Protocol
@@ -140,6 +144,8 @@ class Runner(Protocol):
 
     def new_cache_state(self) -> object: ...
 
+    def copy_cache(self, state: object, n: int) -> object: ...
+
 
 class HFRunner:
     """Runner over any ``AutoModelForCausalLM`` with a ``DynamicCache``.
@@ -184,6 +190,16 @@ class HFRunner:
 
     def new_cache_state(self) -> object:
         return (self._cache_cls(config=self.model.config), 0)
+
+    def copy_cache(self, state: object, n: int) -> object:
+        cache, length = state  # type: ignore[misc]
+        n = min(n, length)
+        if n == 0:
+            return self.new_cache_state()
+        new = copy.deepcopy(cache)
+        if n < length:
+            new.crop(n - length)
+        return (new, n)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self._len:

@@ -9,6 +9,14 @@ for a prompt. Must not touch: sampling, proposers, text.
 A slot fits a prompt when reusing it drops at most half of what it holds (or it
 shares 256 tokens or more). When none fits, the prompt gets a fresh slot while there
 is room, else the least recently used idle one.
+
+Runs: a warm-up may ask for a pinned slot (``pick(prompt, run=True)``), a long stretch
+of a file from a fixed start that many prompts begin with (the prompts' prefixes start
+on a grid: :mod:`codespec.daemon.prompts.parts`). A request never writes into a run:
+when a run shares the most with its prompt, the shared positions are copied into a
+slot of the request's own (``runner.copy_cache``, a few ms), so the next request at
+another spot of the file starts from the run again. At most ``max_slots // 2`` slots
+are runs; a run's first warm-up copies what any slot already holds of it.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class _Slot:
     tap_buf: torch.Tensor | None
     tap_valid: int
     used: int
+    pinned: bool = False
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -48,16 +57,22 @@ def _fits(ids: list[int], shared: int) -> bool:
 
 
 class CacheSlots:
-    """The runner's active cache plus up to ``max_slots - 1`` idle ones."""
+    """The runner's active cache plus idle ones: up to ``max_slots`` that requests write
+    into, and runs (pinned; see the module) holding ``max_run_tokens`` tokens in all."""
 
-    def __init__(self, runner: Runner, max_slots: int) -> None:
+    def __init__(self, runner: Runner, max_slots: int, max_run_tokens: int = 0) -> None:
         self.runner = runner
         self.max_slots = max(1, int(max_slots))
+        # runs need a runner that copies a cache's prefix, and more than one slot
+        can_copy = hasattr(runner, "copy_cache") and self.max_slots > 1
+        self.max_run_tokens = max(0, int(max_run_tokens)) if can_copy else 0
         self.cached_ids: list[int] = []  # mirrors the runner's cache, token for token
         self.taps: tuple[int, ...] = ()
         self.tap_buf: torch.Tensor | None = None  # (max_length, len(taps), H)
         self.tap_valid = 0  # positions [0, tap_valid) of the buffer are filled
         self.idle: list[_Slot] = []
+        self.pinned = False  # whether the active cache is a run (requests copy from it)
+        self.forks = 0  # requests that started from a copy of a run's prefix
         self._clock = 0
 
     def reset(self) -> None:
@@ -65,29 +80,89 @@ class CacheSlots:
         self.runner.reset()
         self.cached_ids = []
         self.tap_valid = 0
+        self.pinned = False
         self.idle.clear()
 
-    def pick(self, prompt: list[int]) -> None:
-        """Make the slot sharing the longest prefix with ``prompt`` the active one."""
+    @property
+    def run_tokens(self) -> int:
+        """Tokens the runs hold, the active one included."""
+        idle = sum(len(sl.cached_ids) for sl in self.idle if sl.pinned)
+        return idle + (len(self.cached_ids) if self.pinned else 0)
+
+    def pick(self, prompt: list[int], run: bool = False) -> None:
+        """Make the slot sharing the longest prefix with ``prompt`` the active one (a copy
+        of its shared prefix where that slot is a run); with ``run``, the run ``prompt``
+        belongs to (see the module). Without room for runs, ``run`` is ignored."""
         self._clock += 1
+        if run and self.max_run_tokens:
+            self._pick_run(prompt)
+            return
         if self.max_slots == 1:
             return
         active = shared_prefix(self.cached_ids, prompt)
         best, best_n = None, -1
         for slot in self.idle:
             n = shared_prefix(slot.cached_ids, prompt)
-            if _fits(slot.cached_ids, n) and n > best_n:
+            # a run is copied from, never cut: any shared prefix of it is worth taking
+            if (slot.pinned or _fits(slot.cached_ids, n)) and n > best_n:
                 best, best_n = slot, n
         if best is not None and best_n > active:
-            self._swap(best)
+            if best.pinned:
+                self._fork(best, best_n, pinned=False)
+            else:
+                self._swap(best)
+        elif self.pinned:  # never write into a run
+            self._fork(None, active, pinned=False)
         elif not _fits(self.cached_ids, active):
-            if 1 + len(self.idle) < self.max_slots:
-                self._swap(_Slot(self.runner.new_cache_state(), [], (), None, 0, 0))
-            elif self.idle:
-                self._swap(min(self.idle, key=lambda sl: sl.used))
-                self.runner.reset()
-                self.cached_ids = []
-                self.tap_valid = 0
+            self._fork(None, 0, pinned=False)
+
+    def _pick_run(self, prompt: list[int]) -> None:
+        """Activate the run sharing the most with ``prompt`` (at least half of it); else
+        a new run, starting from a copy of the longest prefix of it any slot holds, the
+        least recently used runs dropped to keep ``max_run_tokens``."""
+        active = shared_prefix(self.cached_ids, prompt) if self.pinned else -1
+        best, best_n = None, -1
+        for slot in self.idle:
+            n = shared_prefix(slot.cached_ids, prompt)
+            if slot.pinned and _fits(slot.cached_ids, n) and n > best_n:
+                best, best_n = slot, n
+        if self.pinned and not _fits(self.cached_ids, active):
+            active = -1
+        if max(active, best_n) > 0:
+            if best_n > active:
+                self._swap(best)  # type: ignore[arg-type]
+            return
+        runs = sorted((sl for sl in self.idle if sl.pinned), key=lambda sl: sl.used)
+        while runs and self.run_tokens + len(prompt) > self.max_run_tokens:
+            self.idle.remove(runs.pop(0))
+        donor, n = None, shared_prefix(self.cached_ids, prompt)
+        for slot in self.idle:
+            m = shared_prefix(slot.cached_ids, prompt)
+            if m > n:
+                donor, n = slot, m
+        self._fork(donor, n, pinned=True)
+
+    def _fork(self, src: _Slot | None, n: int, pinned: bool) -> None:
+        """Park the active cache and activate a new one (a run where ``pinned``) holding
+        the first ``n`` positions of ``src`` (None: the active cache), taps included; a new
+        slot for requests drops the least recently used idle one past ``max_slots``."""
+        if src is None:
+            src = _Slot(self.runner.cache_state(), self.cached_ids, self.taps, self.tap_buf,
+                        self.tap_valid, self._clock, self.pinned)  # fmt: skip
+        plain = sorted((sl for sl in self.idle if not sl.pinned), key=lambda sl: sl.used)
+        writers = len(plain) + (0 if self.pinned else 1)  # the active one is parked, kept
+        if not pinned and writers >= self.max_slots and plain:
+            self.idle.remove(plain[0])
+        dst = _Slot(self.runner.new_cache_state(), [], (), None, 0, 0, pinned)
+        if n > 0:
+            dst.state = self.runner.copy_cache(src.state, n)  # type: ignore[attr-defined]
+            dst.cached_ids = src.cached_ids[:n]
+            if src.tap_buf is not None and src.tap_valid > 0:
+                dst.taps, dst.tap_valid = src.taps, min(n, src.tap_valid)
+                dst.tap_buf = torch.empty_like(src.tap_buf)
+                dst.tap_buf[: dst.tap_valid] = src.tap_buf[: dst.tap_valid]
+            self.forks += not pinned
+        self._swap(dst)
 
     def _swap(self, slot: _Slot) -> None:
         """Park the active cache in an idle slot and activate ``slot``."""
@@ -100,11 +175,13 @@ class CacheSlots:
             self.tap_buf,
             self.tap_valid,
             self._clock,
+            self.pinned,
         )
         self.idle.append(parked)
         self.runner.set_cache_state(slot.state)
         self.cached_ids = slot.cached_ids
         self.taps, self.tap_buf, self.tap_valid = slot.taps, slot.tap_buf, slot.tap_valid
+        self.pinned = slot.pinned
 
     def cached(self, prompt: list[int]) -> int:
         """Leading ``prompt`` tokens some slot (the active one or an idle one) holds: what
