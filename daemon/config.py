@@ -23,8 +23,9 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     max_tokens = 1024         # the most tokens one request may ask for
     max_documents = 512       # open documents before `overloaded`
     max_document_chars = 4000000
-    context_tokens = 1024     # prompt tokens a completion carries at most
+    context_tokens = 1536     # prompt tokens a completion carries at most
     kv_slots = 8              # KV caches kept for recent prompts (23 KB a token on SmolLM2)
+    run_tokens = 8192         # file runs' tokens kept (12 KB a token on the 0.5B; 0: none)
 
     [speculation]
     default = "auto"          # auto | off | a proposer's name
@@ -88,9 +89,12 @@ class Limits(_Section):
     max_tokens: AtLeast1 = 1024
     max_documents: AtLeast1 = 512
     max_document_chars: AtLeast1 = 4_000_000
-    # Prompt tokens a completion carries at most (prefix + suffix): each first keystroke
-    # at a new spot prefills this much.
-    context_tokens: Annotated[int, Meta(ge=64)] = 1024
+    # Prompt tokens a completion carries at most (prefix + suffix). The prefix starts at
+    # an anchor (prompts.parts.anchors), so it holds a third to all of its room: ~900
+    # tokens of prompt on average at 1,536, what a 1,024-token window held before anchors
+    # (bench quality at the line's start 20.0% either way, half-way into it 44.0% against
+    # 40.0%; at 1,024 with anchors 17.3% / 36.0%).
+    context_tokens: Annotated[int, Meta(ge=64)] = 1536
     # KV caches the engine keeps, one per recent prompt (the active one and idle ones), so
     # that requests on other documents do not evict each other's prefixes. A cache's
     # memory is what its cached tokens fill (23 KB a token for SmolLM2-135M; the
@@ -101,6 +105,12 @@ class Limits(_Section):
     # slots from 8 apart (the machine's noise is larger than the difference; the figures
     # are in BENCHMARKS.md).
     kv_slots: AtLeast1 = 8
+    # File runs: the KV of stretches of open files from the points completion prefixes
+    # start at (prompts.parts.anchors), pre-filled while idle after an open or a pause,
+    # so the first completion at a new spot of such a stretch re-feeds only its suffix
+    # and middle. Their tokens in all (the least recently used runs are dropped past it):
+    # 12 KB a token on the 0.5B (23 on SmolLM2 with its EAGLE taps); 0: no runs.
+    run_tokens: Annotated[int, Meta(ge=0)] = 8192
 
 
 class Speculation(_Section):

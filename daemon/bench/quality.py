@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from codespec.daemon.bench.decoding import add_engine_args, open_engine
 from codespec.daemon.bench.workload_items import load_workload
+from codespec.daemon.config import Limits
 from codespec.daemon.text.tracker import repeats_a_piece
 
 if TYPE_CHECKING:
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="none,crossfile", help=f"of {', '.join(CONTEXTS)}")
     p.add_argument("--limit", type=int, default=0, help="use only the first N items of each")
     p.add_argument("--speculation", default="auto", help="decoding method (output is the same)")
-    p.add_argument("--context", type=int, default=1024, help="prompt tokens at most")
+    p.add_argument("--context", type=int, default=Limits().context_tokens,
+                   help="prompt tokens at most (default: the daemon's)")  # fmt: skip
     p.add_argument("--middles", default="line", help="of line, cursor (FIM models)")
     p.add_argument("--at", default="start", choices=AT,
                    help="where in its line a completion item's cursor stands")  # fmt: skip

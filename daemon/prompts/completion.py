@@ -15,6 +15,7 @@ from __future__ import annotations
 import posixpath
 import re
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from codespec.daemon.errors import BAD_PARAMS, ProtocolError
@@ -30,12 +31,13 @@ from codespec.daemon.prompts.edit import (  # noqa: F401 (the edit side, importa
     text_edits,
 )
 from codespec.daemon.prompts.parts import (
+    ANCHOR_CHARS_PER_TOKEN,
     CHARS_PER_TOKEN_CAP,
     SUFFIX_TOKENS,
     OpenDocument,
     Prepared,
     RecentDocuments,
-    head_text,
+    anchors,
     next_lines,
     window_prefix,
 )
@@ -62,7 +64,9 @@ class CompletionPrompt:
     blank left of the cursor). ``snippets``: the cross-file context used. ``rest``: the
     text right of the cursor on its line (a first line ending with it stops before it);
     ``max_indent``: the most leading whitespace the first line keeps
-    (:func:`indent_cap`). Both: :class:`TextTracker`.
+    (:func:`indent_cap`). Both: :class:`TextTracker`. ``prefix_at`` / ``prefix_end``:
+    where the prefix's ids start (after the head, which a file run begins with:
+    :func:`file_runs`) and end.
     """
 
     prompt_ids: list[int]
@@ -72,6 +76,8 @@ class CompletionPrompt:
     snippets: list[crossfile.Snippet] = field(default_factory=list)
     rest: str = ""
     max_indent: int | None = None
+    prefix_at: int = 0
+    prefix_end: int = 0
 
 
 def file_label(uri: str) -> str:
@@ -104,49 +110,72 @@ def complete_prompt(
     does an empty one below.
 
     FIM models get ``<prefix> P <suffix> S <middle> M`` (``M``: the middle's start, see
-    ``middle``, one of :data:`MIDDLES`). Models without FIM tokens get a
-    left-to-right prompt: with ``<file_sep>`` in the vocabulary, the ``snippets`` of
-    other files and then the current file, each under a ``<file_sep>path`` header as
-    repository-level training data is laid out; then the prefix, its last token backed
-    off for healing (``heal``). The prompt holds at most ``context_tokens`` tokens
-    (default: the model's whole context), leaving room for ``max_tokens``; snippets get
-    at most a third of it. The suffix the model cannot see still ends the completion
-    (``stop_lines``). ``top_uri``: the file, for a model without
-    FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before the cursor):
-    it gets the ``<file_sep>path`` header (without it SmolLM2 answers ``import `` with
-    prose).
-    """
+    ``middle``, one of :data:`MIDDLES`). Models without FIM tokens get a left-to-right
+    prompt: with ``<file_sep>`` in the vocabulary, the ``snippets`` of other files and
+    then the current file, each under a ``<file_sep>path`` header as repository-level
+    training data is laid out; then the prefix, its last token backed off for healing
+    (``heal``). The prefix starts at an anchor (:func:`_anchored_prefix`). The prompt
+    holds at most ``context_tokens`` tokens (default: the model's whole context), leaving
+    room for ``max_tokens``; snippets get at most a third of it. The suffix the model
+    cannot see still ends the completion (``stop_lines``). ``top_uri``: the file, for a
+    model without FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before
+    the cursor): it gets the ``<file_sep>path`` header (without it SmolLM2 answers
+    ``import `` with prose)."""
     window = min(engine.max_length, context_tokens or engine.max_length)
     budget = min(window, engine.max_length - max_tokens - 1)
     if budget < 8:
         raise ProtocolError(BAD_PARAMS, f"max_tokens {max_tokens} leaves no room for a prompt")
     if not text.strip():
         return CompletionPrompt([])
-    chars = budget * CHARS_PER_TOKEN_CAP
     line_start = text.rfind("\n", 0, offset) + 1
     head_line = _middle_head(engine, text, line_start, offset, middle)
-    # the prefix ends where the middle starts: the cursor, or its line's start
-    prefix_ids = engine.prefix_encoder.encode(head_text(text, offset - len(head_line), chars))
-    after = text[offset : offset + chars]
+    most = prefix_chars(engine, budget, bool(snippets))  # the prefix ends where M starts
+    prefix_ids, fit = _anchored_prefix(engine, text, offset - len(head_line), most)
+    after = text[offset : offset + budget * CHARS_PER_TOKEN_CAP]
     stops = next_lines(after)
     first_counts = not text[line_start:offset].strip()
     rules = {"rest": after.split("\n", 1)[0].rstrip("\r"),
              "max_indent": indent_cap(text, line_start, offset)}  # fmt: skip
     if engine.fim is not None:
         mid = engine.encode(head_line)
-        ids, used = _fim_complete(engine, prefix_ids, after, budget, uri, snippets or [], mid)
+        ids, used, at, n = _fim_complete(engine, fit, after, budget, uri, snippets or [], mid)
         ids, healed = heal_prompt(engine, ids) if heal and head_line else (ids, "")
-        return CompletionPrompt(ids, healed, stops, first_counts, used, **rules)
+        return CompletionPrompt(ids, healed, stops, first_counts, used, **rules, prefix_at=at,
+                                prefix_end=at + n)  # fmt: skip
     if not uri and top_uri and len(prefix_ids) < TOP_TOKENS:
         uri = top_uri
     head, used = _file_sep_head(engine, uri, snippets or [], budget)
     if not prefix_ids and not head:
         return CompletionPrompt([])  # nothing before the cursor to complete from
-    pre = window_prefix(prefix_ids, budget - len(head))
+    pre = fit(budget - len(head))
     ids, healed = head + pre, ""
     if heal and prefix_ids:
         ids, healed = heal_prompt(engine, ids)
-    return CompletionPrompt(ids, healed, stops, first_counts, used, **rules)
+    return CompletionPrompt(ids, healed, stops, first_counts, used, **rules,
+                            prefix_at=len(head), prefix_end=len(head) + len(pre))  # fmt: skip
+
+
+def _anchored_prefix(
+    engine: TextModel, text: str, end: int, most: int
+) -> tuple[list[int], Callable[[int], list[int]]]:
+    """The ids of the prefix ending at ``end`` from its anchor (:func:`~.parts.anchors`,
+    ``most`` characters at most), and ``fit(room)``: those ids where they fit ``room``
+    tokens, else the prefix from the first later anchor whose ids fit while filling a
+    third of it (dense text), else the last ``room`` ids on the window grid (no run
+    serves those)."""
+    start, points = anchors(text, end, most)
+    prefix_ids = engine.prefix_encoder.encode(text[start:end])
+
+    def fit(room: int) -> list[int]:
+        if len(prefix_ids) <= room:
+            return prefix_ids
+        for a in (p for p in points if start < p < end):
+            ids = engine.encode(text[a:end])
+            if len(ids) <= room:
+                return ids if 3 * len(ids) >= room else window_prefix(prefix_ids, room)
+        return window_prefix(prefix_ids, room)
+
+    return prefix_ids, fit
 
 
 def _middle_head(engine: TextModel, text: str, line_start: int, offset: int, middle: str) -> str:
@@ -159,6 +188,49 @@ def _middle_head(engine: TextModel, text: str, line_start: int, offset: int, mid
     if engine.fim is None or middle != "line" or line_start == 0:
         return ""
     return text[line_start:offset] if offset - line_start <= LINE_HEAD_CHARS else ""
+
+
+def prefix_chars(engine: TextModel, budget: int, snippets: bool) -> int:
+    """A completion prefix's most characters (:func:`~.parts.anchors`): its room in
+    tokens (the budget less the suffix's and, with snippets, their third) at
+    :data:`~.parts.ANCHOR_CHARS_PER_TOKEN`. Set by the budget alone, so it does not move
+    while the user types."""
+    room = budget - (budget // 3 if snippets else 0)
+    if engine.fim is not None:
+        room -= SUFFIX_TOKENS + 3
+    return int(max(room, 16) * ANCHOR_CHARS_PER_TOKEN)
+
+
+def file_runs(engine: TextModel, doc: OpenDocument, req: CompleteRequest) -> list[list[int]]:
+    """The file runs of ``doc`` for completions like ``req`` (``context`` none or header;
+    with crossfile snippets, whose choice follows the cursor, none): per anchor
+    (:func:`~.parts.anchors`), the ids a prompt at the last line start it serves begins
+    with, up to its prefix's end, so every prompt between that anchor and the next one's
+    spots begins with the run's ids (but the last token or two of its prefix); the run
+    at ``req.offset`` first, then the others by distance. Runs shorter than a third of
+    a prefix's room are left out (a prompt's own warm-up covers them)."""
+    if req.context == "crossfile" or not doc.text.strip():
+        return []
+    window = min(engine.max_length, req.context_tokens or engine.max_length)
+    budget = min(window, engine.max_length - req.max_tokens - 1)
+    if budget < 8:
+        return []
+    text, most = doc.text, prefix_chars(engine, budget, False)
+    uri = doc.uri if req.context != "none" else ""
+    runs: list[tuple[int, list[int]]] = []
+    for a in anchors(text, len(text), most)[1]:
+        end = text.rfind("\n", a, min(len(text), a + most)) + 1  # the last line start
+        if end - a < most // 3 or anchors(text, end, most)[0] != a:
+            continue
+        cp = complete_prompt(engine, text, end, req.max_tokens, req.context_tokens, uri=uri,
+                             heal=False, middle=req.middle)  # fmt: skip
+        head = cp.prompt_ids[: cp.prefix_at]
+        # a prompt's prefix from this anchor holds at most this many tokens (a longer one
+        # starts at a later anchor: complete_prompt's fit)
+        room = budget - len(head) - (SUFFIX_TOKENS + 3 if engine.fim is not None else 0)
+        spot = min(max(req.offset, a + most // 3), end)  # where the run's spots are nearest
+        runs.append((abs(spot - req.offset), head + engine.encode(text[a:end])[:room]))
+    return [ids for _, ids in sorted(runs, key=lambda r: r[0])]
 
 
 def _file_sep_head(
@@ -183,18 +255,20 @@ def _file_sep_head(
 
 def _fim_complete(
     engine: TextModel,
-    prefix_ids: list[int],
+    fit: Callable[[int], list[int]],
     after: str,
     budget: int,
     uri: str,
     snippets: list[crossfile.Snippet],
     middle_ids: list[int],
-) -> tuple[list[int], list[crossfile.Snippet]]:
+) -> tuple[list[int], list[crossfile.Snippet], int, int]:
     """A FIM model's completion prompt (:func:`complete_prompt`): ``(ids, the snippets
-    used)``. ``middle_ids``: the middle's start, already written (the cursor line's text
-    left of the cursor), after ``<|fim_middle|>``. With ``uri`` or ``snippets`` and a
-    tokenizer that has the repository-level layout, the snippets (at most a third of the
-    budget) and the current file's path come first (:func:`fim.repo_head`)."""
+    used, where the prefix's ids start, how many they are)``; ``fit(room)``: the
+    prefix's ids in at most ``room`` tokens. ``middle_ids``: the middle's start, already
+    written (the cursor line's text left of the cursor), after ``<|fim_middle|>``. With
+    ``uri`` or ``snippets`` and a tokenizer that has the repository-level layout, the
+    snippets (at most a third of the budget) and the current file's path come first
+    (:func:`fim.repo_head`)."""
     head: list[int] = []
     used: list[crossfile.Snippet] = []
     if engine.fim.file_sep is not None and (uri or snippets):
@@ -206,9 +280,9 @@ def _fim_complete(
     # the kept suffix tokens (at most SUFFIX_TOKENS) come from its first characters
     suffix_ids = engine.encode(after[: SUFFIX_TOKENS * CHARS_PER_TOKEN_CAP])
     suf_room = min(len(suffix_ids), SUFFIX_TOKENS, (room - 3) // 4)
-    pre = window_prefix(prefix_ids, room - 3 - suf_room)
+    pre = fit(room - 3 - suf_room)
     ids = head + fim.fim_prompt(engine.fim, pre, suffix_ids[:suf_room], room) + middle_ids
-    return ids, used
+    return ids, used, len(head) + 1, len(pre)
 
 
 def _uri_path(uri: str) -> str:

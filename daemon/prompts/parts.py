@@ -17,6 +17,10 @@ from codespec.daemon.text.healing import Healing
 from codespec.daemon.text.tracker import TextTracker
 
 PREFIX_BLOCK = 256  # the prompt's first prefix token moves in steps of this many tokens
+# a completion prefix's most characters per token of room: 90% of 3,000-character
+# stretches of the stdlib's Python hold more characters a token with Qwen2.5-Coder's
+# tokenizer (median 4.4), so a prefix this long nearly always fits its room
+ANCHOR_CHARS_PER_TOKEN = 3.6
 SUFFIX_TOKENS = 128  # the most suffix tokens a prompt carries (all re-fed per keystroke)
 CHARS_PER_TOKEN_CAP = 12  # text read around the cursor: budget * this many characters
 
@@ -32,6 +36,28 @@ def window_prefix(prefix_ids: list[int], room: int, block: int = PREFIX_BLOCK) -
         return prefix_ids
     start = -(-excess // block) * block
     return prefix_ids[start:]
+
+
+def anchors(text: str, end: int, max_chars: int) -> tuple[int, list[int]]:
+    """Where a completion prefix ending at ``end`` (a line start) starts, and the line
+    starts it may start at: the first line start at or after each multiple of the grid,
+    ``2 * max_chars // 3`` characters. The prefix starts at the earliest anchor at most
+    ``max_chars`` before ``end``, so it holds between a third of ``max_chars`` and
+    ``max_chars`` (less a line). Prompts at any spot between two anchors start alike,
+    so a file run (the KV of the text from an anchor on,
+    :class:`~codespec.daemon.engine.slots.CacheSlots`) serves every one of them.
+
+    >>> text = "".join(f"line {i:02}\\n" for i in range(40))  # 8 characters a line
+    >>> anchors(text, 160, 60)  # grid 40: lines start at 40, 80, 120, ...
+    (120, [0, 40, 80, 120])
+    """
+    grid = max(1, 2 * max_chars // 3)
+    points = []
+    for k in range(max(0, end - 1) // grid + 1):
+        at = text.find("\n", k * grid - 1) + 1 if k else 0
+        points.append(at if 0 < at <= end or not k else min(k * grid, end))
+    start = next((a for a in points if end - a <= max_chars), end)
+    return start, points
 
 
 def head_text(text: str, end: int, chars: int) -> str:
