@@ -260,7 +260,7 @@ def test_complete_prompt_respects_the_context_budget(fim_engine):
     offset = len(text) // 2
     full = completion.complete_prompt(engine, text, offset, 16).prompt_ids
     capped = completion.complete_prompt(engine, text, offset, 16, context_tokens=512).prompt_ids
-    assert len(full) > 1024 >= 512 >= len(capped)
+    assert len(full) > 512 >= len(capped) > 512 // 3
     fim = engine.fim
     before_suffix = capped[: capped.index(fim.suffix)]
     assert engine.decode(before_suffix[-20:]) == engine.decode(full[: full.index(fim.suffix)][-20:])

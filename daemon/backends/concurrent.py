@@ -18,6 +18,7 @@ from codespec.daemon.config import Speculation
 from codespec.daemon.engine.engine import Stats
 from codespec.daemon.service.protocol import ProtocolError
 from codespec.daemon.service.scheduler import Job, LockedIndex, Scheduler
+from codespec.daemon.service.warmups import Warmup
 
 if TYPE_CHECKING:
     from codespec.daemon.backends.remote import RemoteEngine
@@ -63,7 +64,7 @@ class RemoteScheduler(Scheduler):
         with self._cond:
             return not self._inflight and not self._queue
 
-    def _next(self) -> Job | list[int] | None:
+    def _next(self) -> Job | Warmup | None:
         """The next request (warm-ups are dropped: the server has no idle time to fill)."""
         with self._cond:
             while not self._queue and not self._stopping:

@@ -128,7 +128,9 @@ class RemoteEngine:
     def cached_tokens(self, prompt: list[int]) -> int:
         return 0
 
-    def warm(self, prompt: list[int], yield_to: Callable[[], bool], chunk: int = 128) -> int:
+    def warm(
+        self, prompt: list[int], yield_to: Callable[[], bool], chunk: int = 128, run: bool = False
+    ) -> int:
         """No warm-up: the server's prefix cache fills with the requests themselves."""
         return 0
 

@@ -140,7 +140,12 @@ class Server:
 
             cfg = self.config
             self.engine = await asyncio.to_thread(
-                Engine, cfg.model, cfg.device, cfg.runner, max_slots=cfg.limits.kv_slots
+                Engine,
+                cfg.model,
+                cfg.device,
+                cfg.runner,
+                max_slots=cfg.limits.kv_slots,
+                max_run_tokens=cfg.limits.run_tokens,
             )
         if not remote:
             local = cast("Engine", self.engine)  # not remote: the daemon's own engine

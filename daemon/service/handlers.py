@@ -12,6 +12,7 @@ the index's insides, prompt building.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -196,7 +197,7 @@ class Methods:
         p = parse(raw, proto.Open)
         d = self.srv.documents.open(p.uri, p.text, p.version, p.language)
         conn.documents.add(p.uri)
-        self._warm_later(p.uri, len(p.text), 0.0)
+        self._warm_later(p.uri, len(p.text), 0.0, runs_at=0)  # its runs from the top
         return {"uri": p.uri, "version": d.version, "lines": d.doc.lines.line_count}
 
     def change(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
@@ -208,10 +209,13 @@ class Methods:
             self._warm_later(p.uri, start + len(last.get("text", "")))
         return {"uri": p.uri, "version": d.version}
 
-    def _warm_later(self, uri: str, offset: int, delay: float | None = None) -> None:
+    def _warm_later(
+        self, uri: str, offset: int, delay: float | None = None, runs_at: int | None = None
+    ) -> None:
         """After a pause (``completion.warm_after_s``) with no newer change to ``uri``,
-        hand the scheduler the prompt a completion at ``offset`` would use: it pre-fills
-        it while no request runs (:meth:`Scheduler.warm`)."""
+        hand the scheduler the prompt a completion at ``offset`` would use, then the file's
+        runs nearest ``runs_at`` (default: ``offset``) first: it pre-fills them while no
+        request runs (:meth:`Scheduler.warm`)."""
         pause = self.srv.config.completion.warm_after_s
         if not pause or self.srv.scheduler is None:
             return
@@ -220,10 +224,10 @@ class Methods:
             old.cancel()
         loop = asyncio.get_running_loop()
         self._warm_timers[uri] = loop.call_later(
-            pause if delay is None else delay, self._warm, uri, offset
+            pause if delay is None else delay, self._warm, uri, offset, runs_at
         )
 
-    def _warm(self, uri: str, offset: int) -> None:
+    def _warm(self, uri: str, offset: int, runs_at: int | None = None) -> None:
         self._warm_timers.pop(uri, None)
         srv = self.srv
         if uri not in srv.documents or srv.scheduler is None:
@@ -239,10 +243,13 @@ class Methods:
         )
         try:
             prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
+            runs = []
+            if getattr(srv.engine, "max_run_tokens", 0):  # the engine keeps file runs
+                at = req.offset if runs_at is None else min(runs_at, len(doc.text))
+                runs = completion.file_runs(srv.engine, doc, dataclasses.replace(req, offset=at))
         except ProtocolError:  # no room for a prompt
             return
-        if prep.prompt_ids:  # empty: nothing to complete from
-            srv.scheduler.warm(uri, prep.prompt_ids)
+        srv.scheduler.warm(uri, prep.prompt_ids, runs)  # an empty prompt: nothing before it
 
     def close(self, conn: Connection, rid: int, raw: Params) -> dict[str, Any]:
         p = parse(raw, proto.Close)
@@ -379,6 +386,7 @@ class Methods:
             "runner": e.runner.name,
             "cpu_kernel": cpu_kernel(e),
             "kv_slots": e.max_slots,
+            "runs": e.runs_stats() if hasattr(e, "runs_stats") else {},
             "pid": os.getpid(),
             "uptime_s": round(time.time() - srv.started, 1),
             "connections": srv.connection_count,

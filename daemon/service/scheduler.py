@@ -42,7 +42,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -58,6 +58,7 @@ from codespec.daemon.service.protocol import (
     ProtocolError,
 )
 from codespec.daemon.service.recent import RecentOutputs
+from codespec.daemon.service.warmups import WARM_CHUNK, WarmQueue, Warmup
 from codespec.daemon.text.tracker import TextTracker
 from codespec.speculators.draft import Proposer, RequestInfo
 from codespec.speculators.registry import make_proposer
@@ -125,11 +126,6 @@ class Job:
     totals: Stats = field(default_factory=Stats)
 
 
-# Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight,
-# so chunks stay small (a few times larger, and a keystroke's completion waits noticeably).
-WARM_CHUNK = 32
-
-
 def prepared_job(prep: Prepared, params: GenParams, speculation: str, kind: str, uri: str) -> Job:
     """A job for a request :mod:`codespec.daemon.prompts.completion` prepared."""
     params.constraint = prep.constraint
@@ -183,6 +179,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._running: Job | None = None
+        self._last_busy = 0.0  # time.monotonic() of the last submit or finish
         self._thread = threading.Thread(target=self._run, name="codespec-engine", daemon=True)
         # daemon-wide statistics
         self.served = 0
@@ -192,7 +189,7 @@ class Scheduler:
         self.busy_s = 0.0
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
-        self._warm: dict[str, list[int]] = {}  # uri -> a prompt to prefill when idle
+        self._warm = WarmQueue()  # what to prefill when idle
         self.recent = RecentOutputs()  # what requests generated, per document: drafts
         self.warmed = 0
         self.warmed_tokens = 0
@@ -224,6 +221,7 @@ class Scheduler:
                 tok = self.engine.tokenizer.backend_tokenizer
                 job.tracker = TextTracker(tok, job.prompt_ids, job.stop)
             self._queue.append(job)
+            self._last_busy = time.monotonic()
             self._cond.notify_all()
         return job.future
 
@@ -270,32 +268,34 @@ class Scheduler:
             "tokens_per_s": round(self.tokens / self.busy_s, 1) if self.busy_s else 0.0,
             "warmed": self.warmed,
             "warmed_tokens": self.warmed_tokens,
+            "warm_queued": len(self._warm),
             "proposers": sources,
         }
 
     # -- worker -------------------------------------------------------------------------
-    def warm(self, uri: str, prompt_ids: list[int]) -> None:
-        """Prefill ``prompt_ids`` (the prompt a completion in ``uri`` would use) when no
-        request is running or waiting; a newer prompt for ``uri`` replaces an older one
-        not started yet. Requests always go first: warming stops between chunks."""
+    def warm(self, uri: str, prompt_ids: list[int], runs: Sequence[list[int]] = ()) -> None:
+        """Prefill ``prompt_ids`` (a completion's in ``uri``; may be empty), then ``uri``'s
+        file ``runs``, while idle (:class:`~codespec.daemon.service.warmups.WarmQueue`:
+        they replace ``uri``'s not started); requests go first, between chunks."""
         with self._cond:
-            self._warm.pop(uri, None)
-            self._warm[uri] = list(prompt_ids)
+            self._warm.put(uri, prompt_ids, runs)
             self._cond.notify_all()
 
-    def _next(self) -> Job | list[int] | None:
-        """The next request, else the newest prompt to warm, else wait (None: stopping)."""
+    def _next(self) -> Job | Warmup | None:
+        """The next request, else the next warm-up (a file run once the engine has been
+        idle a while: :meth:`WarmQueue.take`), else wait (None: stopping)."""
         with self._cond:
-            while not self._queue and not self._warm and not self._stopping:
-                self._cond.wait()
-            if self._stopping:
-                if not self._queue:
+            while True:
+                if self._queue:
+                    job = self._queue.popleft()
+                    self._running = job
+                    return job
+                if self._stopping:
                     return None
-            elif not self._queue:
-                return self._warm.pop(next(reversed(self._warm)))
-            job = self._queue.popleft()
-            self._running = job
-            return job
+                warm, later = self._warm.take(time.monotonic() - self._last_busy)
+                if warm is not None:
+                    return warm
+                self._cond.wait(later or None)
 
     def _run(self) -> None:
         while True:
@@ -303,7 +303,7 @@ class Scheduler:
             if job is None:
                 return
             if not isinstance(job, Job):
-                self._warm_up(job)
+                self._warm_up(*job)
                 continue
             try:
                 self._turn(job)
@@ -318,11 +318,14 @@ class Scheduler:
                     if self._running is job:
                         self._running = None
 
-    def _warm_up(self, prompt: list[int]) -> None:
+    def _warm_up(self, prompt: list[int], run: bool) -> None:
         try:
             with self.engine.lock:
                 cached = self.engine.warm(
-                    prompt, lambda: bool(self._queue) or self._stopping, WARM_CHUNK
+                    prompt,
+                    lambda: bool(self._queue) or self._stopping,
+                    WARM_CHUNK // (2 if run else 1),
+                    run=run,
                 )
         except Exception:  # a warm-up is a guess: never let it take the worker down
             log.exception("warming a prompt failed")
@@ -457,6 +460,7 @@ class Scheduler:
         with self._cond:
             if self._running is job:
                 self._running = None
+            self._last_busy = time.monotonic()
         if (view := self.view) is not None:
             view.finish(job, error.code if error is not None else finish)
         self.recent.add(job.uri, job.prompt_ids, job.out_ids)  # cancelled ones too

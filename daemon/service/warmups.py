@@ -1,0 +1,58 @@
+"""Warm-ups waiting for an idle engine: per document, the prompt a completion at its last
+edit would use, then the document's file runs
+(:class:`~codespec.daemon.engine.slots.CacheSlots`).
+
+Owns :class:`WarmQueue` and when a warm-up may start: a prompt at once, a run only after
+the engine has been idle :data:`RUN_IDLE_S`. Not thread-safe: the scheduler calls it
+under its own lock. Must not touch: the engine, requests, documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight,
+# so chunks stay small (a few times larger, and a keystroke's completion waits noticeably).
+WARM_CHUNK = 32
+# A file run is warmed only after the engine has had no request for this long, so typing
+# (a keystroke every ~150 ms, each asking for a completion) never waits for one.
+RUN_IDLE_S = 0.5
+
+Warmup = tuple[list[int], bool]  # the ids, whether a file run
+
+
+class WarmQueue:
+    """Per document (newest first), the warm-ups not started yet."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, list[Warmup]] = {}
+
+    def put(self, uri: str, prompt_ids: list[int], runs: Sequence[list[int]] = ()) -> None:
+        """``uri``'s warm-ups, replacing those not started yet: ``prompt_ids`` (if any),
+        then ``runs``; ``uri`` becomes the newest document."""
+        jobs = [(list(prompt_ids), False)] if prompt_ids else []
+        jobs += [(list(r), True) for r in runs]
+        self._jobs.pop(uri, None)
+        if jobs:
+            self._jobs[uri] = jobs
+
+    def take(self, idle_s: float) -> tuple[Warmup | None, float]:
+        """The newest document's next warm-up and 0.0; or, where that is a run and the
+        engine has been idle ``idle_s`` < :data:`RUN_IDLE_S`, None and the seconds left
+        (None and 0.0: nothing queued)."""
+        if not self._jobs:
+            return None, 0.0
+        uri = next(reversed(self._jobs))
+        jobs = self._jobs[uri]
+        if jobs[0][1] and idle_s < RUN_IDLE_S:
+            return None, RUN_IDLE_S - idle_s
+        job = jobs.pop(0)
+        if not jobs:
+            del self._jobs[uri]
+        return job, 0.0
+
+    def clear(self) -> None:
+        self._jobs.clear()
+
+    def __len__(self) -> int:
+        return sum(len(jobs) for jobs in self._jobs.values())
