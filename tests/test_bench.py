@@ -401,3 +401,16 @@ def test_latency_throughput_gives_each_client_a_file_of_its_own(daemon, monkeypa
         n = len(text.splitlines())
         assert {line for u, line in asked if u == uri} == {n // 3, 2 * n // 3}
     assert r["tokens"] > 0
+
+
+def test_latency_typist_pauses_after_each_spot_when_told(daemon, monkeypatch):
+    """``bench latency --gap-ms``: the typist pauses that long after each spot before
+    moving on (a programmer reading; the daemon's idle time fills file runs)."""
+    from codespec.daemon.bench import latency
+
+    slept: list[float] = []
+    monkeypatch.setattr(latency.time, "sleep", slept.append)
+    text = "\n".join(f"def a{i}(x):\n    '''doc'''\n    value = x * {i} + 100\n" for i in range(6))
+    out = latency.typing_latency(daemon.socket_path, [text], "off", 0.0, per_file=2, gap_s=0.25)
+    n = len(latency.spots([text], 2))
+    assert slept.count(0.25) == n and out["jump"]["n"] >= 1

@@ -184,9 +184,15 @@ class Typist:
 
 
 def typing_latency(
-    sock: str, texts: list[str], speculation: str | None, pause_s: float, per_file: int = 4
+    sock: str,
+    texts: list[str],
+    speculation: str | None,
+    pause_s: float,
+    per_file: int = 4,
+    gap_s: float = 0.0,
 ) -> dict[str, dict[str, float]]:
-    """Replay typing at real spots (see :func:`spots`): per kind of keystroke —
+    """Replay typing at real spots (see :func:`spots`), pausing ``gap_s`` after each spot
+    before the next (a programmer reading): per kind of keystroke —
     ``open`` (the first spot, right after the files are opened), ``jump`` (another
     function of the same file), ``file`` (another file), ``typing`` (characters),
     ``newline`` (Enter at the end of a line) — and ``all``, the time to the first
@@ -199,6 +205,7 @@ def typing_latency(
                     "file" if spot.file != prev.file else "jump")  # fmt: skip
             t.retype(spot, kind)
             prev = spot
+            time.sleep(gap_s)
         for f in range(len(texts)):
             c.request("close", {"uri": t.uri(f)})
     out = {}
@@ -319,10 +326,11 @@ def mean_latency(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str,
 def compare_configs(
     args: argparse.Namespace, texts: list[str], extra: list[str]
 ) -> tuple[dict, dict]:
-    """``--configs``: one daemon per config file, each request with that daemon's default
-    speculation (``[speculation] default``, auto unless the file says), typing replayed on each
-    in :func:`ab_order` (``--rounds`` rounds); per config the mean of its runs, and the
-    first daemon's ``stats``."""
+    """``--configs``: a daemon per config file and run, each request with that daemon's
+    default speculation (``[speculation] default``, auto unless the file says), typing
+    replayed on each in :func:`ab_order` (``--rounds`` rounds), each run on a fresh daemon
+    (so every spot's first request is the first there); per config the mean of its runs,
+    and the first config's first daemon's ``stats``."""
     from codespec.daemon.view.reader import read_page
 
     paths = [Path(c) for c in args.configs.split(",") if c]
@@ -332,20 +340,19 @@ def compare_configs(
     names = [c.stem for c in paths]
     if len(set(names)) != len(names):
         raise SystemExit("codespec bench latency: the config files need distinct names")
-    procs = {}
     runs: dict[str, list] = {n: [] for n in names}
-    try:
-        for name, path in zip(names, paths, strict=True):
-            procs[name] = start_daemon(args.threads, [*extra, "--config", str(path)])
-            read_page(procs[name][1])  # [view] enabled: a page reads it, as a browser tab
-        for name in ab_order(names, args.rounds):
-            runs[name].append(
-                typing_latency(procs[name][1], texts, None, args.pause_ms / 1000, args.spots)
-            )
-        with Client(procs[names[0]][1]) as c:
-            status = c.request("stats")
-    finally:
-        for proc, _, _ in procs.values():
+    status: dict = {}
+    for name in ab_order(names, args.rounds):  # a fresh daemon per run: nothing cached
+        path = paths[names.index(name)]
+        proc, sock, _ = start_daemon(args.threads, [*extra, "--config", str(path)])
+        try:
+            read_page(sock)  # [view] enabled: a page reads it, as a browser tab
+            runs[name].append(typing_latency(sock, texts, None, args.pause_ms / 1000, args.spots,
+                                         args.gap_ms / 1000))  # fmt: skip
+            if name == names[0] and not status:
+                with Client(sock) as c:
+                    status = c.request("stats")
+        finally:
             proc.terminate()
             proc.wait(30)
     return {name: mean_latency(r) for name, r in runs.items()}, status
@@ -361,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--pause-ms", type=float, default=150.0,
                    help="the typist's pace: time from one keystroke to the next")  # fmt: skip
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="the typist's pause after each spot, before moving on")  # fmt: skip
     p.add_argument("--spots", type=int, default=4,
                    help="lines retyped in each file (functions far apart)")  # fmt: skip
     p.add_argument("--clients", default="1,4,8", help="concurrent clients for throughput")
@@ -395,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(30)
             proc, sock, _ = (None, args.socket, "") if args.socket else start_daemon(
                 args.threads, extra)  # fmt: skip
-            lat[spec] = typing_latency(sock, texts, spec, args.pause_ms / 1000, args.spots)
+            lat[spec] = typing_latency(
+                sock, texts, spec, args.pause_ms / 1000, args.spots, args.gap_ms / 1000
+            )
             if spec == "auto":  # the proposers' figures of the auto daemon
                 with Client(sock) as c:
                     status = c.request("stats")
