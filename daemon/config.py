@@ -25,7 +25,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     max_document_chars = 4000000
     context_tokens = 1536     # prompt tokens a completion carries at most
     kv_slots = 8              # KV caches kept for recent prompts (23 KB a token on SmolLM2)
-    run_tokens = 8192         # file runs' tokens kept (12 KB a token on the 0.5B; 0: none)
+    run_tokens = 6144         # file runs' tokens kept (12 KB a token on the 0.5B; 0: none)
 
     [speculation]
     default = "auto"          # auto | off | a proposer's name
@@ -110,7 +110,7 @@ class Limits(_Section):
     # so the first completion at a new spot of such a stretch re-feeds only its suffix
     # and middle. Their tokens in all (the least recently used runs are dropped past it):
     # 12 KB a token on the 0.5B (23 on SmolLM2 with its EAGLE taps); 0: no runs.
-    run_tokens: Annotated[int, Meta(ge=0)] = 8192
+    run_tokens: Annotated[int, Meta(ge=0)] = 6144
 
 
 class Speculation(_Section):
