@@ -22,31 +22,33 @@ Warmup = tuple[list[int], bool]  # the ids, whether a file run
 
 
 class WarmQueue:
-    """Per document (newest first), the warm-ups not started yet."""
+    """Per document (newest last), the warm-ups not started yet, each with its rank in
+    the document's list: the prompt at the cursor 0, then its runs by distance."""
 
     def __init__(self) -> None:
-        self._jobs: dict[str, list[Warmup]] = {}
+        self._jobs: dict[str, list[tuple[int, Warmup]]] = {}
 
     def put(self, uri: str, prompt_ids: list[int], runs: Sequence[list[int]] = ()) -> None:
         """``uri``'s warm-ups, replacing those not started yet: ``prompt_ids`` (if any),
         then ``runs``; ``uri`` becomes the newest document."""
-        jobs = [(list(prompt_ids), False)] if prompt_ids else []
+        jobs: list[Warmup] = [(list(prompt_ids), False)] if prompt_ids else []
         jobs += [(list(r), True) for r in runs]
         self._jobs.pop(uri, None)
         if jobs:
-            self._jobs[uri] = jobs
+            self._jobs[uri] = list(enumerate(jobs))
 
     def take(self, idle_s: float) -> tuple[Warmup | None, float]:
-        """The newest document's next warm-up and 0.0; or, where that is a run and the
-        engine has been idle ``idle_s`` < :data:`RUN_IDLE_S`, None and the seconds left
-        (None and 0.0: nothing queued)."""
+        """The next warm-up and 0.0: of the lowest rank over the documents (each open
+        document's nearest runs before any one's farther ones), the newest document's
+        on a tie; or, where that is a run and the engine has been idle ``idle_s`` <
+        :data:`RUN_IDLE_S`, None and the seconds left (None and 0.0: nothing queued)."""
         if not self._jobs:
             return None, 0.0
-        uri = next(reversed(self._jobs))
+        uri = min(reversed(self._jobs), key=lambda u: self._jobs[u][0][0])
         jobs = self._jobs[uri]
-        if jobs[0][1] and idle_s < RUN_IDLE_S:
+        if jobs[0][1][1] and idle_s < RUN_IDLE_S:
             return None, RUN_IDLE_S - idle_s
-        job = jobs.pop(0)
+        _, job = jobs.pop(0)
         if not jobs:
             del self._jobs[uri]
         return job, 0.0
