@@ -41,6 +41,11 @@ class _Slot:
     pinned: bool = False
 
 
+# A slot requests write into that shares at most this many tokens fewer with a prompt
+# than a run does is taken over copying the run (a copy adds a slot and evicts another).
+RUN_SLACK = 64
+
+
 def shared_prefix(a: list[int], b: list[int]) -> int:
     """Leading tokens ``a`` and ``b`` have in common."""
     n = 0
@@ -99,22 +104,25 @@ class CacheSlots:
             return
         if self.max_slots == 1:
             return
-        active = shared_prefix(self.cached_ids, prompt)
-        best, best_n = None, -1
+        # (score, slot or None for the active one, shared): a run is copied from, never
+        # cut, so any prefix of it counts, less RUN_SLACK (a copy adds a slot and evicts
+        # another); a slot requests write into counts where reusing it loses little
+        n = shared_prefix(self.cached_ids, prompt)
+        options: list[tuple[int, _Slot | None, int]] = []
+        if self.pinned or _fits(self.cached_ids, n):
+            options.append((n - RUN_SLACK if self.pinned else n, None, n))
         for slot in self.idle:
             n = shared_prefix(slot.cached_ids, prompt)
-            # a run is copied from, never cut: any shared prefix of it is worth taking
-            if (slot.pinned or _fits(slot.cached_ids, n)) and n > best_n:
-                best, best_n = slot, n
-        if best is not None and best_n > active:
-            if best.pinned:
-                self._fork(best, best_n, pinned=False)
-            else:
-                self._swap(best)
-        elif self.pinned:  # never write into a run
-            self._fork(None, active, pinned=False)
-        elif not _fits(self.cached_ids, active):
-            self._fork(None, 0, pinned=False)
+            if slot.pinned or _fits(slot.cached_ids, n):
+                options.append((n - RUN_SLACK if slot.pinned else n, slot, n))
+        if not options:
+            self._fork(None, 0, pinned=False)  # a fresh slot; the active one is parked
+            return
+        _, slot, n = max(options, key=lambda o: o[0])  # the first of equals: the active
+        if self.pinned if slot is None else slot.pinned:
+            self._fork(slot, n, pinned=False)
+        elif slot is not None:
+            self._swap(slot)
 
     def _pick_run(self, prompt: list[int]) -> None:
         """Activate the run sharing the most with ``prompt`` (at least half of it); else
