@@ -61,6 +61,14 @@ PLUGIN = Path(__file__).resolve().parents[2] / "editors" / "neovim"
 SOURCE = "import os\n\n\ndef greet(name):\n    "
 
 
+def _attach(listen: str) -> Any:
+    """A pynvim session on nvim's socket, or None while nvim does not accept yet."""
+    try:
+        return pynvim.attach("socket", path=listen)
+    except ConnectionRefusedError:
+        return None
+
+
 def wait_for(predicate: Any, timeout: float, what: str, tick: Any = None) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -99,7 +107,9 @@ def nvim(tmp_path: Path, default_model_dir: Path) -> Iterator[tuple[Any, Path, s
     )
     try:
         wait_for(lambda: os.path.exists(listen), 10, "nvim's socket")
-        nv = pynvim.attach("socket", path=listen)
+        # the socket's file is there a moment before nvim listens on it (a connect then is
+        # refused: seen on a busy machine)
+        nv = wait_for(lambda: _attach(listen), 10, "nvim listening on its socket")
         yield nv, tmp_path, daemon_socket
         with contextlib.suppress(Exception):  # nvim exits while answering
             nv.command("qa!")
