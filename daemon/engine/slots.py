@@ -15,8 +15,9 @@ of a file from a fixed start that many prompts begin with (the prompts' prefixes
 on a grid: :mod:`codespec.daemon.prompts.parts`). A request never writes into a run:
 when a run shares the most with its prompt, the shared positions are copied into a
 slot of the request's own (``runner.copy_cache``, a few ms), so the next request at
-another spot of the file starts from the run again. At most ``max_slots // 2`` slots
-are runs; a run's first warm-up copies what any slot already holds of it.
+another spot of the file starts from the run again. Runs hold ``max_run_tokens`` tokens
+in all (the least recently used dropped past it) beside the ``max_slots`` slots requests
+write into; a run's first warm-up copies what any slot already holds of it.
 """
 
 from __future__ import annotations
@@ -161,10 +162,11 @@ class CacheSlots:
         writers = len(plain) + (0 if self.pinned else 1)  # the active one is parked, kept
         if not pinned and writers >= self.max_slots and plain:
             self.idle.remove(plain[0])
-        dst = _Slot(self.runner.new_cache_state(), [], (), None, 0, 0, pinned)
-        if n > 0:
-            dst.state = self.runner.copy_cache(src.state, n)  # type: ignore[attr-defined]
-            dst.cached_ids = src.cached_ids[:n]
+        if n == 0:
+            dst = _Slot(self.runner.new_cache_state(), [], (), None, 0, 0, pinned)
+        else:
+            state = self.runner.copy_cache(src.state, n)  # type: ignore[attr-defined]
+            dst = _Slot(state, src.cached_ids[:n], (), None, 0, 0, pinned)
             if src.tap_buf is not None and src.tap_valid > 0:
                 dst.taps, dst.tap_valid = src.taps, min(n, src.tap_valid)
                 dst.tap_buf = torch.empty_like(src.tap_buf)

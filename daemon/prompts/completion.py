@@ -201,14 +201,17 @@ def prefix_chars(engine: TextModel, budget: int, snippets: bool) -> int:
     return int(max(room, 16) * ANCHOR_CHARS_PER_TOKEN)
 
 
-def file_runs(engine: TextModel, doc: OpenDocument, req: CompleteRequest) -> list[list[int]]:
+def file_runs(
+    engine: TextModel, doc: OpenDocument, req: CompleteRequest, max_tokens: int = 0
+) -> list[list[int]]:
     """The file runs of ``doc`` for completions like ``req`` (``context`` none or header;
     with crossfile snippets, whose choice follows the cursor, none): per anchor
     (:func:`~.parts.anchors`), the ids a prompt at the last line start it serves begins
     with, up to its prefix's end, so every prompt between that anchor and the next one's
     spots begins with the run's ids (but the last token or two of its prefix); the run
-    at ``req.offset`` first, then the others by distance. Runs shorter than a third of
-    a prefix's room are left out (a prompt's own warm-up covers them)."""
+    at ``req.offset`` first, then the others by distance, while their tokens stay within
+    ``max_tokens`` (0: all; the first always). Runs shorter than a third of a prefix's
+    room are left out (a prompt's own warm-up covers them)."""
     if req.context == "crossfile" or not doc.text.strip():
         return []
     window = min(engine.max_length, req.context_tokens or engine.max_length)
@@ -216,21 +219,29 @@ def file_runs(engine: TextModel, doc: OpenDocument, req: CompleteRequest) -> lis
     if budget < 8:
         return []
     text, most = doc.text, prefix_chars(engine, budget, False)
-    uri = doc.uri if req.context != "none" else ""
-    runs: list[tuple[int, list[int]]] = []
+    spans: list[tuple[int, int, int]] = []  # (distance from the cursor, anchor, end)
     for a in anchors(text, len(text), most)[1]:
         end = text.rfind("\n", a, min(len(text), a + most)) + 1  # the last line start
-        if end - a < most // 3 or anchors(text, end, most)[0] != a:
-            continue
-        cp = complete_prompt(engine, text, end, req.max_tokens, req.context_tokens, uri=uri,
-                             heal=False, middle=req.middle)  # fmt: skip
-        head = cp.prompt_ids[: cp.prefix_at]
-        # a prompt's prefix from this anchor holds at most this many tokens (a longer one
-        # starts at a later anchor: complete_prompt's fit)
-        room = budget - len(head) - (SUFFIX_TOKENS + 3 if engine.fim is not None else 0)
-        spot = min(max(req.offset, a + most // 3), end)  # where the run's spots are nearest
-        runs.append((abs(spot - req.offset), head + engine.encode(text[a:end])[:room]))
-    return [ids for _, ids in sorted(runs, key=lambda r: r[0])]
+        if end - a >= most // 3 and anchors(text, end, most)[0] == a:
+            spot = min(max(req.offset, a + most // 3), end)  # where its spots are nearest
+            spans.append((abs(spot - req.offset), a, end))
+    if not spans:
+        return []
+    # the head (and <|fim_prefix|>) every run begins with: it does not depend on the prefix
+    uri = doc.uri if req.context != "none" else ""
+    cp = complete_prompt(engine, text, spans[0][2], req.max_tokens, req.context_tokens,
+                         uri=uri, heal=False, middle=req.middle)  # fmt: skip
+    head = cp.prompt_ids[: cp.prefix_at]
+    # a prompt's prefix from an anchor holds at most this many tokens (a longer one
+    # starts at a later anchor: complete_prompt's fit)
+    room = budget - len(head) - (SUFFIX_TOKENS + 3 if engine.fim is not None else 0)
+    runs: list[list[int]] = []
+    for _, a, end in sorted(spans):
+        run = head + engine.encode(text[a:end])[:room]
+        if runs and max_tokens and sum(map(len, runs)) + len(run) > max_tokens:
+            break
+        runs.append(run)
+    return runs
 
 
 def _file_sep_head(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -247,10 +246,9 @@ class Methods:
             runs = []
             if most := getattr(srv.engine, "max_run_tokens", 0):  # the engine keeps runs
                 at = req.offset if runs_at is None else min(runs_at, len(doc.text))
-                runs = completion.file_runs(srv.engine, doc, dataclasses.replace(req, offset=at))
                 # the nearest, within half the runs' budget: two documents' neighbourhoods fit
-                sizes = list(itertools.accumulate(len(r) for r in runs))
-                runs = runs[: max(1, sum(n <= most // 2 for n in sizes))]
+                at_req = dataclasses.replace(req, offset=at)
+                runs = completion.file_runs(srv.engine, doc, at_req, most // 2)
         except ProtocolError:  # no room for a prompt
             return
         srv.scheduler.warm(uri, prep.prompt_ids, runs)  # an empty prompt: nothing before it

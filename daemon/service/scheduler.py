@@ -58,7 +58,7 @@ from codespec.daemon.service.protocol import (
     ProtocolError,
 )
 from codespec.daemon.service.recent import RecentOutputs
-from codespec.daemon.service.warmups import WARM_CHUNK, WarmQueue, Warmup
+from codespec.daemon.service.warmups import RUN_CHUNK, WARM_CHUNK, WarmQueue, Warmup
 from codespec.daemon.text.tracker import TextTracker
 from codespec.speculators.draft import Proposer, RequestInfo
 from codespec.speculators.registry import make_proposer
@@ -324,7 +324,7 @@ class Scheduler:
                 cached = self.engine.warm(
                     prompt,
                     lambda: bool(self._queue) or self._stopping,
-                    WARM_CHUNK // (2 if run else 1),
+                    RUN_CHUNK if run else WARM_CHUNK,
                     run=run,
                 )
         except Exception:  # a warm-up is a guess: never let it take the worker down

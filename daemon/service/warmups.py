@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight,
 # so chunks stay small (a few times larger, and a keystroke's completion waits noticeably).
 WARM_CHUNK = 32
+RUN_CHUNK = WARM_CHUNK // 2  # a file run's: the user may come back from a pause mid-chunk
 # A file run is warmed only after the engine has had no request for this long, so typing
 # (a keystroke every ~150 ms, each asking for a completion) never waits for one.
 RUN_IDLE_S = 0.5
