@@ -22,6 +22,7 @@ from cdp import Browser, chromium_path
 from codespec.daemon.cli import main as cli_main
 from codespec.daemon.client import Client
 from codespec.daemon.view.service import install
+from codespec.speculators.book import forget
 from conftest import ServerThread, daemon_config
 
 install()  # what codespec serve does: the daemons these tests start have the view
@@ -126,6 +127,7 @@ async def drive(url: str, sock: str, shot: Path, profile: Path) -> tuple[dict, d
 
 
 def test_the_page_shows_three_completions_in_a_real_browser(real_engine, tmp_path):
+    forget(real_engine)  # the policy starts from nothing measured, as a fresh daemon does
     srv = ServerThread(daemon_config(tmp_path), real_engine)
     try:
         with Client(srv.socket_path) as c:
