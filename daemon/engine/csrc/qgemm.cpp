@@ -524,17 +524,6 @@ inline bool prefetch_on() {
   return on;
 }
 
-// Whether the many-row int8 products (AVX-512 VNNI) expand each group of panels once
-// (v512::stage) rather than in every pass over it (CODESPEC_STAGE=0: in every pass, for
-// comparisons; the outputs are the same bits either way).
-inline bool stage_on() {
-  static const bool on = [] {
-    const char* e = std::getenv("CODESPEC_STAGE");
-    return !(e && e[0] == '0');
-  }();
-  return on;
-}
-
 // Blocks ahead (of a group of four panels) that the AVX-512 VNNI products of 1 to 4 rows
 // fetch while they stream the weights (0: none; CODESPEC_PREFETCH_AHEAD or
 // cs_q_prefetch_ahead, for comparisons). Fetching 4 blocks ahead (3 and 6 do as well)
@@ -1518,126 +1507,6 @@ void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1, Trickle* tr = nu
   }
 }
 
-// Many rows: the panels of a group (a thread's share of it) are expanded once into this
-// thread's scratch, the bytes each vpdpbusd reads (group_i8) and each sub-block's scale
-// vectors, and every pass of rows reads them with plain loads. Expanding them in each pass (`direct`) put the expansion (a Q5_0 group:
-// shift, mask, a masked add of its bit plane) and a K-quant's scale decoding beside the
-// dot products of every pass: ~170 vector instructions for the 64 vpdpbusd of a 4-row x
-// 2-panel sub-block (a 256-row Q5_0 product ran at a third of the dot products' own
-// rate). Staged a slice of k at a time (16 KB, to be read from L1, the sums kept between
-// slices) gained less than the whole group at once (57 to 100 KB, from L2). The integer
-// sums and the float steps are `direct`'s, in its order: the outputs
-// are the same bits. Fewer rows lose: 8 and 16 rows ran slower staged (0.34 -> 0.49 ms,
-// Q5_0 896 x 9728), 64 about even, 256 faster (Q5_0 9.3 -> 9.0 ms, Q4_K 1536 x 17920
-// 29 -> 27.5, Q6_K 8960 x 1536 21.5 -> 16.5).
-constexpr int64_t STAGE_MIN_ROWS = 64;
-
-struct Staged {
-  const int32_t* z;  // [sub-block][group of four k][panel]: 16 int32 each
-  const float* s;    // [sub-block][panel]: sc[16] (high_x16's sixteenth applied), off[16]
-  int64_t count;     // panels staged
-};
-
-// Expands panels p .. p + count into this thread's scratch.
-template <int T>
-Staged stage(const Args& a, int64_t p, int64_t count) {
-  using F = Tr<T>;
-  constexpr int G = F::SUB / 4, J = F::BK / F::SUB;
-  const int64_t n = a.K / F::SUB;
-  // plain element types and unaligned stores: a std::vector of __m512i is not 64-byte
-  // aligned (aligned stores into one faulted)
-  thread_local std::vector<int32_t> zbuf;
-  thread_local std::vector<float> sbuf;
-  if (static_cast<int64_t>(zbuf.size()) < n * G * count * 16) zbuf.resize(n * G * count * 16);
-  if (static_cast<int64_t>(sbuf.size()) < n * count * 32) sbuf.resize(n * count * 32);
-  const Ref pr = ref_of(a, p, 16 * F::NATIVE);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t b = i / J;
-    const int j = static_cast<int>(i % J);
-    for (int64_t q = 0; q < count; ++q) {
-      V sc, off;
-      z512::scales<T>(head_at(pr, b, F::GOFF, q), j, sc, off);
-      if constexpr (high_x16<T>)
-        sc = _mm512_mul_ps(sc, _mm512_insertf32x8(_mm512_set1_ps(1.0f),
-                                                  _mm256_set1_ps(0.0625f), 1));
-      _mm512_storeu_ps(sbuf.data() + (i * count + q) * 32, sc);
-      _mm512_storeu_ps(sbuf.data() + (i * count + q) * 32 + 16, off);
-    }
-    for (int g = 0; g < G; ++g)
-      for (int64_t q = 0; q < count; ++q)
-        _mm512_storeu_si512(zbuf.data() + ((i * G + g) * count + q) * 16,
-                            group_i8<T>(group_at(pr, b, F::GOFF, F::GB, j * G + g, q)));
-  }
-  return {zbuf.data(), sbuf.data(), count};
-}
-
-// MR rows (from m) x NP staged panels (from q0 of st; panel p of the matrix): `direct`'s
-// steps over the staged bytes and scales.
-template <int T, int MR, int NP>
-void staged(const ArgsI8& ai, int64_t m, int64_t p, const Staged& st, int64_t q0, Trickle* tr) {
-  using F = Tr<T>;
-  constexpr int G = F::SUB / 4;
-  const Args& a = ai.a;
-  const Xq& xq = *ai.xq;
-  V acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int q = 0; q < NP; ++q)
-      acc[r][q] = _mm512_setzero_ps();
-  const int64_t subs = a.K / F::SUB, k16 = a.K / 16, k32 = a.K / 32;
-  for (int64_t i = 0; i < subs; ++i) {
-    const int64_t k0 = i * F::SUB;
-    if (tr)
-      for (int64_t l = 0; l < tr->step && tr->p < tr->end; ++l, tr->p += 64) {
-        if (tr->l2)
-          _mm_prefetch(reinterpret_cast<const char*>(tr->p), _MM_HINT_T1);
-        else
-          _mm_prefetch(reinterpret_cast<const char*>(tr->p), _MM_HINT_T0);
-      }
-    I dot[MR][NP];
-    for (int r = 0; r < MR; ++r) {
-      const int32_t* sx = xq.s16.data() + (m + r) * k16 + k0 / 16;
-      const int32_t sum = F::SUB == 32 ? sx[0] + sx[1] : sx[0];
-      I init = _mm512_set1_epi32(-i8_bias(T) * sum);
-      if constexpr (high_x16<T> && i8_bias(T) != 0)
-        init = _mm512_mask_mov_epi32(init, 0xff00, _mm512_set1_epi32(-16 * i8_bias(T) * sum));
-      for (int q = 0; q < NP; ++q) dot[r][q] = init;
-    }
-    for (int g = 0; g < G; ++g) {
-      I z[NP];
-      for (int q = 0; q < NP; ++q)
-        z[q] = _mm512_loadu_si512(st.z + ((i * G + g) * st.count + q0 + q) * 16);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xp = xq.q.data() + (m + r) * a.K + k0 + 4 * g;
-        for (int q = 0; q < NP; ++q) dot[r][q] = dpbusd_at(dot[r][q], z[q], xp);
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const V dx = _mm512_set1_ps(xq.dx[(m + r) * k32 + k0 / 32]);
-      for (int q = 0; q < NP; ++q) {
-        const float* sq = st.s + (i * st.count + q0 + q) * 32;
-        acc[r][q] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(sq), dx),
-                                    _mm512_cvtepi32_ps(dot[r][q]), acc[r][q]);
-        if constexpr (i8_min(T))
-          acc[r][q] = _mm512_fmadd_ps(_mm512_loadu_ps(sq + 16),
-                                      _mm512_set1_ps(xq.ms[(m + r) * k32 + k0 / 32]), acc[r][q]);
-      }
-    }
-  }
-  for (int q = 0; q < NP; ++q) {
-    const __mmask16 mk = z512::cols_mask(a.N - 16 * (p + q));
-    for (int r = 0; r < MR; ++r) z512::put(a, m + r, 16 * (p + q), acc[r][q], mk);
-  }
-}
-
-// Rows m .. m + MR over the staged panels p .. p + st.count, NP at a time.
-template <int T, int MR, int NP>
-void staged_range(const ArgsI8& ai, int64_t m, int64_t p, const Staged& st, Trickle* tr) {
-  int64_t q = 0;
-  for (; q + NP <= st.count; q += NP) staged<T, MR, NP>(ai, m, p + q, st, q, tr);
-  for (; q < st.count; ++q) staged<T, MR, 1>(ai, m, p + q, st, q, tr);
-}
-
-
 template <int T>
 void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   const int64_t M = ai.a.M;
@@ -1659,8 +1528,6 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
     const uint8_t* next = end < p1 ? ai.a.P + end * ai.a.pstride : nullptr;
     const int64_t nbytes =
         next ? (ai.a.npanel - end < GROUP ? ai.a.npanel - end : GROUP) * ai.a.pstride : 0;
-    const bool staging = M >= STAGE_MIN_ROWS && stage_on();
-    const Staged st = staging ? stage<T>(ai.a, p, end - p) : Staged{nullptr, nullptr, 0};
     for (int64_t m = 0; m < M; m += 4) {
       // each later pass takes its slice of the next group a few lines per sub-block: issued
       // all at once before the pass, the fetches would wait on a full set of line-fill
@@ -1673,15 +1540,6 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
         const int64_t lines = (s1 - (s0 & ~int64_t{63}) + 63) / 64;
         tr = {next + (s0 & ~int64_t{63}), next + s1, (lines + subs - 1) / subs,
               g_prefetch_level.load(std::memory_order_relaxed) != 1};
-      }
-      if (staging) {
-        switch (M - m < 4 ? M - m : 4) {
-          case 1: staged_range<T, 1, 2>(ai, m, p, st, &tr); break;
-          case 2: staged_range<T, 2, 2>(ai, m, p, st, &tr); break;
-          case 3: staged_range<T, 3, 2>(ai, m, p, st, &tr); break;
-          default: staged_range<T, 4, 2>(ai, m, p, st, &tr); break;
-        }
-        continue;
       }
       switch (M - m < 4 ? M - m : 4) {
         case 1: range<T, 1, 2>(ai, m, p, end, &tr); break;
