@@ -210,7 +210,7 @@ class Recorder:
         if rec is None:
             return
         rec.finished = time.perf_counter()
-        rec.prompt_ids = job.prompt_ids[-PROMPT_TAIL:]  # a cold spot's shorter one, if taken
+        rec.prompt_ids = job.prompt_ids[-PROMPT_TAIL:]  # the prompt the job ran, its tail
         rec.out_ids = list(job.out_ids)
         rec.started, rec.first_delta = job.started, job.first_delta
         rec.finish = finish
