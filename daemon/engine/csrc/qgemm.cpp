@@ -524,6 +524,20 @@ inline bool prefetch_on() {
   return on;
 }
 
+// Rows a pass of the AVX-512 VNNI products of 12 rows or more (v512::panels): 6 (two
+// panels: 12 dot-product chains, against 8 with 4 rows; vpdpbusd takes 5 cycles and
+// issues 2 a cycle on the Xeon measured), or CODESPEC_PASS_ROWS=4 (for comparisons; the
+// same bits). On that Xeon (2 threads): a 128-token prefill chunk of the 0.5B 294 -> 282
+// ms, 64 rows of Q4_K 4864 x 896 on one thread 2.31 -> 2.02 ms; 8 rows stay at 4 a pass
+// (6 + 2 read the LM head's 145 MB twice: 8.1 -> 9.1 ms).
+inline int64_t pass_rows() {
+  static const int64_t r = [] {
+    const char* e = std::getenv("CODESPEC_PASS_ROWS");
+    return e && e[0] == '4' ? int64_t{4} : int64_t{6};
+  }();
+  return r;
+}
+
 // Blocks ahead (of a group of four panels) that the AVX-512 VNNI products of 1 to 4 rows
 // fetch while they stream the weights (0: none; CODESPEC_PREFETCH_AHEAD or
 // cs_q_prefetch_ahead, for comparisons). Fetching 4 blocks ahead (3 and 6 do as well)
@@ -1519,8 +1533,10 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   }
   // More rows: group by group (its bytes come from memory once, then from cache), four
   // rows x two panels a pass: faster than 4 x 4 (spills) and than 8 rows x 1 panel
-  // (reads every fourth group of four k from memory, then the rest).
-  const int64_t passes = (M + 3) / 4;
+  // (reads every fourth group of four k from memory, then the rest); from 12 rows six
+  // (pass_rows).
+  const int64_t R = M < 12 ? 4 : pass_rows();  // rows a pass
+  const int64_t passes = (M + R - 1) / R;
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
     // The next group's bytes, fetched a slice before each pass that reads from cache (end
@@ -1528,24 +1544,26 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
     const uint8_t* next = end < p1 ? ai.a.P + end * ai.a.pstride : nullptr;
     const int64_t nbytes =
         next ? (ai.a.npanel - end < GROUP ? ai.a.npanel - end : GROUP) * ai.a.pstride : 0;
-    for (int64_t m = 0; m < M; m += 4) {
+    for (int64_t m = 0; m < M; m += R) {
       // each later pass takes its slice of the next group a few lines per sub-block: issued
       // all at once before the pass, the fetches would wait on a full set of line-fill
       // buffers and stall the pass at its prefetch instructions
       Trickle tr{nullptr, nullptr, 0, true};
       if (m > 0 && next && prefetch_on()) {
-        const int64_t s0 = nbytes * (m / 4 - 1) / (passes - 1);
-        const int64_t s1 = nbytes * (m / 4) / (passes - 1);
+        const int64_t s0 = nbytes * (m / R - 1) / (passes - 1);
+        const int64_t s1 = nbytes * (m / R) / (passes - 1);
         const int64_t subs = (end - p + 1) / 2 * (ai.a.K / Tr<T>::SUB);  // this pass's
         const int64_t lines = (s1 - (s0 & ~int64_t{63}) + 63) / 64;
         tr = {next + (s0 & ~int64_t{63}), next + s1, (lines + subs - 1) / subs,
               g_prefetch_level.load(std::memory_order_relaxed) != 1};
       }
-      switch (M - m < 4 ? M - m : 4) {
+      switch (M - m < R ? M - m : R) {
         case 1: range<T, 1, 2>(ai, m, p, end, &tr); break;
         case 2: range<T, 2, 2>(ai, m, p, end, &tr); break;
         case 3: range<T, 3, 2>(ai, m, p, end, &tr); break;
-        default: range<T, 4, 2>(ai, m, p, end, &tr); break;
+        case 4: range<T, 4, 2>(ai, m, p, end, &tr); break;
+        case 5: range<T, 5, 2>(ai, m, p, end, &tr); break;
+        default: range<T, 6, 2>(ai, m, p, end, &tr); break;
       }
     }
     p = end;
