@@ -36,7 +36,7 @@ from ggufs import write_gguf  # noqa: E402
 
 from codespec.daemon.engine import gguf_weights, qstack, quant_gemm  # noqa: E402
 from codespec.daemon.engine.engine import HEAD_FIRST_ROWS  # noqa: E402
-from codespec.daemon.engine.lean import LeanRunner, from_model_folder  # noqa: E402
+from codespec.daemon.engine.lean import LeanRunner, from_model_folder, row_switch  # noqa: E402
 from codespec.daemon.engine.lean_config import attention_for, gguf_products  # noqa: E402
 from codespec.daemon.engine.runner import HFRunner  # noqa: E402
 from codespec.speculators.draft import Draft  # noqa: E402
@@ -443,6 +443,55 @@ def test_thread_shares_change_no_number(model_file: Path) -> None:
     finally:
         lib.cs_lean_split_adapt(adapt)
         lib.cs_lean_split(split)
+
+
+def test_the_row_switch_is_where_rows_stop_being_slower() -> None:
+    def best(rows_faster: dict[int, bool]) -> dict[tuple[int, bool], float]:
+        return {
+            (t, rows): 1.0 if rows == faster else 2.0
+            for t, faster in rows_faster.items()
+            for rows in (True, False)
+        }
+
+    assert row_switch(best({8: True, 16: True, 32: True})) == 8
+    assert row_switch(best({8: False, 16: False, 32: True})) == 32
+    assert row_switch(best({8: True, 16: False, 32: True})) == 32  # never slower from 32
+    assert row_switch(best({8: True, 16: True, 32: False})) == 64  # none: a prefill's rows
+    assert row_switch({(8, True): 1.0, (8, False): 1.0}) == 8  # a tie goes by rows
+
+
+def test_calibrating_the_row_switch_sets_it_and_leaves_the_cache_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner times small forwards both ways and sets the stack's switch to what it
+    chose (one of the sizes, or twice the largest); it leaves the cache empty and the
+    numbers alone. One thread, or CODESPEC_ROW_SPLIT set: nothing is chosen."""
+    lib = quant_gemm.library()
+    assert lib is not None
+    runner = LeanRunner.from_gguf(_write(tmp_path / "t.gguf", "Q8_0"), max_length=128, int8=True)
+    v = runner.vocab_size
+    before = lib.cs_lean_row_split(-1)
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("CODESPEC_ROW_SPLIT", raising=False)
+        torch.set_num_threads(1)
+        assert runner.calibrate_row_split(sizes=(4, 8), context=16) is None
+        torch.set_num_threads(2)
+        ref = runner.forward(_ids(20, 3, v)).logits
+        lib.cs_lean_row_split(5)
+        got = runner.calibrate_row_split(sizes=(4, 8), reps=2, context=16)
+        assert got in (4, 8, 16)
+        assert lib.cs_lean_row_split(-1) == got
+        assert runner.length == 0
+        assert torch.equal(runner.forward(_ids(20, 3, v)).logits, ref)
+        runner.reset()
+        monkeypatch.setenv("CODESPEC_ROW_SPLIT", "8")
+        lib.cs_lean_row_split(5)
+        assert runner.calibrate_row_split(sizes=(4, 8), context=16) is None
+        assert lib.cs_lean_row_split(-1) == 5
+    finally:
+        torch.set_num_threads(threads)
+        lib.cs_lean_row_split(before)
 
 
 def test_sharing_out_by_rows_changes_no_number(model_file: Path) -> None:
