@@ -36,8 +36,9 @@ from ggufs import write_gguf  # noqa: E402
 
 from codespec.daemon.engine import gguf_weights, qstack, quant_gemm  # noqa: E402
 from codespec.daemon.engine.engine import HEAD_FIRST_ROWS  # noqa: E402
-from codespec.daemon.engine.lean import LeanRunner, from_model_folder, row_switch  # noqa: E402
+from codespec.daemon.engine.lean import LeanRunner, from_model_folder  # noqa: E402
 from codespec.daemon.engine.lean_config import attention_for, gguf_products  # noqa: E402
+from codespec.daemon.engine.row_split import calibrate, row_switch  # noqa: E402
 from codespec.daemon.engine.runner import HFRunner  # noqa: E402
 from codespec.speculators.draft import Draft  # noqa: E402
 from codespec.speculators.verify import verify_greedy  # noqa: E402
@@ -463,9 +464,11 @@ def test_the_row_switch_is_where_rows_stop_being_slower() -> None:
 def test_calibrating_the_row_switch_sets_it_and_leaves_the_cache_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The runner times small forwards both ways and sets the stack's switch to what it
-    chose (one of the sizes, or twice the largest); it leaves the cache empty and the
-    numbers alone. One thread, or CODESPEC_ROW_SPLIT set: nothing is chosen."""
+    """Calibrating times the runner's small forwards both ways and sets the stack's
+    switch to what it chose (one of the sizes, or twice the largest); it leaves the
+    cache empty and the numbers alone; a short max_length shrinks the sizes and the
+    context. One thread, CODESPEC_ROW_SPLIT set, or no size that fits: nothing is
+    chosen."""
     lib = quant_gemm.library()
     assert lib is not None
     runner = LeanRunner.from_gguf(_write(tmp_path / "t.gguf", "Q8_0"), max_length=128, int8=True)
@@ -475,19 +478,24 @@ def test_calibrating_the_row_switch_sets_it_and_leaves_the_cache_empty(
     try:
         monkeypatch.delenv("CODESPEC_ROW_SPLIT", raising=False)
         torch.set_num_threads(1)
-        assert runner.calibrate_row_split(sizes=(4, 8), context=16) is None
+        assert calibrate(runner, sizes=(4, 8), context=16) is None
         torch.set_num_threads(2)
         ref = runner.forward(_ids(20, 3, v)).logits
         lib.cs_lean_row_split(5)
-        got = runner.calibrate_row_split(sizes=(4, 8), reps=2, context=16)
+        got = calibrate(runner, sizes=(4, 8), reps=2, context=16)
         assert got in (4, 8, 16)
         assert lib.cs_lean_row_split(-1) == got
         assert runner.length == 0
         assert torch.equal(runner.forward(_ids(20, 3, v)).logits, ref)
         runner.reset()
+        short = LeanRunner.from_gguf(_write(tmp_path / "s.gguf", "Q8_0"), max_length=20, int8=True)
+        assert calibrate(short) in (8, 16)  # 8 tokens after 12: what fits in 20
+        assert short.length == 0
+        tiny = LeanRunner.from_gguf(_write(tmp_path / "u.gguf", "Q8_0"), max_length=12, int8=True)
+        assert calibrate(tiny) is None  # no size fits twice
         monkeypatch.setenv("CODESPEC_ROW_SPLIT", "8")
         lib.cs_lean_row_split(5)
-        assert runner.calibrate_row_split(sizes=(4, 8), context=16) is None
+        assert calibrate(runner, sizes=(4, 8), context=16) is None
         assert lib.cs_lean_row_split(-1) == 5
     finally:
         torch.set_num_threads(threads)

@@ -36,8 +36,6 @@ its output *before* the final norm (``HFRunner``'s last entry is after it). Long
 from __future__ import annotations
 
 import functools
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -339,50 +337,6 @@ class LeanRunner:
             dst[:, lo:hi].view(shape)[:, :, part].copy_(kv[:, lo:hi].view(shape)[:, :, part])
         return (dst, n)
 
-    def calibrate_row_split(
-        self, sizes: tuple[int, ...] = (8, 16, 32), reps: int = 3, context: int = 256
-    ) -> int | None:
-        """Choose from how many tokens this machine's forwards are shared out by rows
-        rather than by panels (the stack's ``cs_lean_row_split``, process-wide), by timing
-        ``sizes``-token forwards after ``context`` cached tokens both ways, alternating,
-        ``reps`` times each (the fastest of each counts). The switch is the smallest size
-        from which rows were never slower; none: ``2 * max(sizes)`` (a prefill chunk goes
-        by rows). Which way changes no number, only the time: rows read every weight on
-        each thread (the second read from a shared cache, where there is one), panels
-        meet at ~11 barriers a layer. On a Zen 4 VM with SmolLM2 rows won from 8 tokens;
-        on a Xeon VM with the 0.5B panels won to 32 (16 tokens 49 against 56 ms).
-        Returns the switch, or None where nothing was chosen: no stack, one thread, or
-        ``CODESPEC_ROW_SPLIT`` set. Leaves the cache empty."""
-        lib = quant_gemm.library()
-        if (
-            self.stack is None
-            or lib is None
-            or torch.get_num_threads() < 2
-            or os.environ.get("CODESPEC_ROW_SPLIT") is not None
-        ):
-            return None
-        ids = [(i * 7919 + 11) % self.vocab_size for i in range(context + max(sizes))]
-        best: dict[tuple[int, bool], float] = {}
-        old = lib.cs_lean_row_split(-1)
-        try:
-            self.reset()
-            self.forward(ids[:context], last_only=True)
-            for rep in range(reps):
-                for t in sizes:
-                    for rows in (rep % 2 == 0, rep % 2 == 1):  # alternate which goes first
-                        lib.cs_lean_row_split(1 if rows else 0)
-                        t0 = time.perf_counter()
-                        self.forward(ids[context : context + t], greedy=True)
-                        dt = time.perf_counter() - t0
-                        self.truncate(context)
-                        best[(t, rows)] = min(dt, best.get((t, rows), dt))
-        finally:
-            lib.cs_lean_row_split(old)
-            self.reset()
-        switch = row_switch(best)
-        lib.cs_lean_row_split(switch)
-        return switch
-
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self._len:
             raise ValueError(f"cannot truncate a cache of {self._len} tokens to {n}")
@@ -470,19 +424,6 @@ class LeanRunner:
             return ForwardOut(logits=logits, hidden=hidden, best=best)
         rows = "all" if rows == "greedy" else rows  # the torch path computes every row
         return lean_torch.forward_chunk(self, ids, depth, anc, taps, rows)
-
-
-def row_switch(best: dict[tuple[int, bool], float]) -> int:
-    """From ``best`` (seconds of a forward of T tokens shared out by rows, ``(T, True)``,
-    or by panels, ``(T, False)``, for the same sizes both ways), the smallest size from
-    which rows were never slower; none: twice the largest size."""
-    sizes = sorted({t for t, _ in best})
-    switch = 2 * sizes[-1]
-    for t in reversed(sizes):
-        if best[(t, True)] > best[(t, False)]:
-            break
-        switch = t
-    return switch
 
 
 def from_model_folder(

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from codespec.daemon.engine import lean, lean_config, models
+from codespec.daemon.engine import lean, lean_config, models, row_split
 from codespec.daemon.engine.runner import HFRunner, Runner
 
 
@@ -52,7 +52,7 @@ def load_runner(
         except Exception as exc:
             raise ModelLoadError(f"cannot load {path}: {one_line(exc)}") from exc
         if got is not None:
-            got[0].calibrate_row_split()  # this machine's way of sharing small forwards
+            row_split.calibrate(got[0])  # this machine's way of sharing small forwards
             return got
     try:
         path = str(models.hf_checkpoint(path))

@@ -153,7 +153,7 @@ void split_after(std::atomic<double>& split, double f, int64_t t0, int64_t t1) {
 // step, and a many-token forward spends a sizeable share of its time at the barriers
 // and quantizing x into lines the other core has just read. One token (decode) has no
 // rows to share. CODESPEC_ROW_SPLIT=N (0: never) or cs_lean_row_split(N); the engine
-// sets it from its own timings when it loads a model (LeanRunner.calibrate_row_split:
+// sets it from its own timings when it loads a model (engine/row_split.py, calibrate:
 // which way wins depends on the machine). Which thread computes a row changes no number.
 std::atomic<int64_t> g_row_split{[] {
   const char* e = std::getenv("CODESPEC_ROW_SPLIT");
