@@ -467,8 +467,8 @@ def test_calibrating_the_row_switch_sets_it_and_leaves_the_cache_empty(
     """Calibrating times the runner's small forwards both ways and sets the stack's
     switch to what it chose (one of the sizes, or twice the largest); it leaves the
     cache empty and the numbers alone; a short max_length shrinks the sizes and the
-    context. One thread, CODESPEC_ROW_SPLIT set, or no size that fits: nothing is
-    chosen."""
+    context. Exact products, one thread, CODESPEC_ROW_SPLIT set, or no size that fits:
+    nothing is chosen."""
     lib = quant_gemm.library()
     assert lib is not None
     runner = LeanRunner.from_gguf(_write(tmp_path / "t.gguf", "Q8_0"), max_length=128, int8=True)
@@ -493,6 +493,8 @@ def test_calibrating_the_row_switch_sets_it_and_leaves_the_cache_empty(
         assert short.length == 0
         tiny = LeanRunner.from_gguf(_write(tmp_path / "u.gguf", "Q8_0"), max_length=12, int8=True)
         assert calibrate(tiny) is None  # no size fits twice
+        exact = LeanRunner.from_gguf(_write(tmp_path / "e.gguf", "Q8_0"), max_length=128)
+        assert calibrate(exact, sizes=(4, 8), context=16) is None  # never shared by rows
         monkeypatch.setenv("CODESPEC_ROW_SPLIT", "8")
         lib.cs_lean_row_split(5)
         assert calibrate(runner, sizes=(4, 8), context=16) is None

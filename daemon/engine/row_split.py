@@ -46,11 +46,13 @@ def calibrate(
     goes first, ``reps`` times each (the fastest counts), and set the stack's switch to
     :func:`row_switch` of them (~1.5 s on the 0.5B, ~0.5 s on SmolLM2). Sizes and context
     shrink to the runner's ``max_length``. Returns the switch, or None where nothing was
-    chosen: no stack, one thread, ``CODESPEC_ROW_SPLIT`` set, or too short a context.
+    chosen: no stack, exact products (a forward shared out by rows needs the int8 ones),
+    one thread, ``CODESPEC_ROW_SPLIT`` set, or too short a context.
     Leaves the cache empty."""
     lib = quant_gemm.library()
     if (
         getattr(runner, "stack", None) is None
+        or not getattr(runner, "int8", False)  # exact products: never shared out by rows
         or lib is None
         or torch.get_num_threads() < 2
         or os.environ.get("CODESPEC_ROW_SPLIT") is not None
