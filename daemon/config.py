@@ -33,6 +33,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     shorten_at = 9            # active requests at which the draft length halves
     off_at = 32               # active requests at which speculation is switched off
     quantum_steps = 8         # decode steps a request runs before the next one's turn
+    lead_step = true          # a cached prompt's last token and the first draft: one forward
 
     [completion]
     context = "none"          # none | header | crossfile (what precedes the prefix)
@@ -128,6 +129,10 @@ class Speculation(_Section):
     # Drafts from what the last requests on a document generated (the n-gram proposer's
     # ``ngram:recent``): typing along the ghost text asks for the same tokens again.
     recent_outputs: bool = True
+    # A request whose prompt is cached but its last token (a keystroke, mostly) verifies a
+    # draft proposed from the prompt in the forward that feeds that token, instead of a
+    # prefill forward of that token alone and the first draft's forward after it.
+    lead_step: bool = True
 
     def __post_init__(self) -> None:
         if self.default not in ("auto", "off"):

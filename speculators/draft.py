@@ -252,6 +252,9 @@ class StepResult:
     # tokens it fed: what the policy's cost model learns from.
     forward_ms: float = 0.0
     forward_tokens: int = 0
+    # The root was the prompt's last token: the request's first forward, which fed it and
+    # verified a draft proposed from the prompt (no prefill gave a first token before it).
+    lead: bool = False
 
     @property
     def accepted_len(self) -> int:

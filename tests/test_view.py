@@ -102,8 +102,9 @@ def test_records_show_each_request_as_its_stats_count_it(daemon):
         by_source: dict[str, int] = {}
         for t in rec["tokens"]:
             by_source[t[1]] = by_source.get(t[1], 0) + 1
-        assert by_source.get("prefill", 0) == st["turns"]
-        assert by_source.get("bonus", 0) == st["target_forwards"] - st["turns"]
+        prefilled = st["turns"] - st["lead_steps"]  # a lead step's turn has no prefill token
+        assert by_source.get("prefill", 0) == prefilled
+        assert by_source.get("bonus", 0) == st["target_forwards"] - prefilled
         drafted = {k: v for k, v in by_source.items() if k not in ("prefill", "bonus")}
         assert drafted == {k: v for k, v in st["accepted"].items() if v}
         assert rec["prompt_tokens"] == st["prompt_tokens"]
@@ -198,6 +199,7 @@ def test_rejected_drafts_are_noted_beside_their_step(engine):
     recorder = Recorder(4)
     proposer = ScriptedProposer(oracle, "k_then_wrong", engine.runner.vocab_size, k=2)
     wrapped = recorder.wrap(job, proposer, "scripted", 5, 1)
+    engine.reset_cache()  # a prefill gives the first token (a cached prompt: a lead step)
     for step in engine.stream(prompt, params, wrapped):
         job.out_ids += [t for t in step.token_ids if t not in engine.stop_ids]
     job.started = job.submitted
@@ -212,6 +214,37 @@ def test_rejected_drafts_are_noted_beside_their_step(engine):
     assert all(s["source"] == "kwrong" for s in drafted)
     shown = "".join(t[0] for t in rec["tokens"] if not t[3])
     assert shown == tok.decode(oracle)
+
+
+def test_a_lead_step_shows_no_prefill_token(engine):
+    """A request whose prompt is cached but its last token starts with a verify step
+    rooted there (``Stats.lead_steps``): the record's first tokens are that step's draft
+    and bonus, none is put down to a prefill, and the text is the engine's output."""
+    from codespec.daemon.engine.engine import GenParams
+    from codespec.daemon.service.scheduler import Job
+    from codespec.daemon.view.recorder import Recorder
+    from codespec.daemon.view.snapshot import record_json
+    from helpers import ScriptedProposer
+
+    prompt = engine.encode(PROMPT)
+    params = GenParams(max_tokens=12, max_draft=3)
+    engine.reset_cache()
+    oracle, _ = engine.generate(prompt, params)  # the prompt is cached now
+    job = Job(prompt, params, "scripted", uri="file:///s.py")
+    recorder = Recorder(4)
+    proposer = ScriptedProposer(oracle, "k_then_wrong", engine.runner.vocab_size, k=2)
+    for step in engine.stream(prompt, params, recorder.wrap(job, proposer, "scripted", 3, 1)):
+        job.out_ids += [t for t in step.token_ids if t not in engine.stop_ids]
+    job.started = job.submitted
+    recorder.finish(job, "length")
+    assert step.stats.lead_steps == 1
+    tok = engine.tokenizer.backend_tokenizer
+    rec = record_json(recorder.since()[0], tok.decode, set(engine.stop_ids))
+    assert job.out_ids == oracle
+    sources = [t[1] for t in rec["tokens"]]
+    assert sources[:3] == ["kwrong", "kwrong", "bonus"] and "prefill" not in sources
+    assert "".join(t[0] for t in rec["tokens"] if not t[3]) == tok.decode(oracle)
+    assert len(rec["steps"]) == step.stats.target_forwards  # every forward a step
 
 
 def test_output_that_no_step_noted_is_shown_as_the_targets(engine):

@@ -32,7 +32,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -44,6 +43,14 @@ from codespec.daemon.engine.loading import (
     one_line,
     pick_device,
     resolve_model_path,
+)
+from codespec.daemon.engine.request import (
+    Constraint,
+    GenParams,
+    Stats,
+    Step,
+    Verified,
+    row_masks,
 )
 from codespec.daemon.engine.slots import CacheSlots
 from codespec.daemon.engine.target import ModelTarget
@@ -57,97 +64,6 @@ from codespec.speculators.verify import verify
 
 __all__ = ["Constraint", "Engine", "GenParams", "ModelLoadError", "Stats", "Step", "load_runner"]
 
-Constraint = Callable[[list[int]], torch.Tensor | None]
-
-
-@dataclass
-class GenParams:
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_draft: int = 16  # the most draft tokens verified in one forward
-    # Allowed next tokens given the ids generated so far (a bool mask over the
-    # vocabulary), or None when free: token healing (codespec.daemon.text.healing). No
-    # draft is made while it constrains a step, so plain and speculative decoding agree.
-    constraint: Constraint | None = None
-
-
-@dataclass
-class Stats:
-    """Statistics of one request (of one turn; :meth:`add` sums turns).
-
-    - ``tokens``: tokens generated (the stop token that ended the request counted).
-    - ``target_forwards``: every target forward, the prefill included; plain decoding
-      of N tokens takes N forwards, so ``tokens_per_forward`` is 1.0 there.
-    - ``accepted``/``drafted`` per source: draft tokens accepted / proposed; the BONUS
-      token is never counted as accepted.
-    - ``mean_accepted``: accepted draft tokens per decode step, bonus not counted.
-    """
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    tokens: int = 0
-    target_forwards: int = 0
-    decode_steps: int = 0
-    drafted: dict[str, int] = field(default_factory=dict)
-    accepted: dict[str, int] = field(default_factory=dict)
-    prefill_ms: float = 0.0
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    finish_reason: str = ""
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.tokens / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return 1000.0 * self.tokens / self.total_ms if self.total_ms > 0 else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        return sum(self.accepted.values()) / self.decode_steps if self.decode_steps else 0.0
-
-    def count_draft(self, draft: Draft, accepted: list[int]) -> None:
-        for i in range(len(draft)):
-            src = draft.source(i)
-            self.drafted[src] = self.drafted.get(src, 0) + 1
-        for a in accepted:
-            src = draft.source(a)
-            self.accepted[src] = self.accepted.get(src, 0) + 1
-
-    def add(self, turn: Stats) -> None:
-        """Sum another turn of the same request into this one (the first turn's prompt
-        figures are kept)."""
-        if not self.target_forwards:
-            self.prompt_tokens, self.cached_tokens = turn.prompt_tokens, turn.cached_tokens
-        self.tokens += turn.tokens
-        self.target_forwards += turn.target_forwards
-        self.decode_steps += turn.decode_steps
-        self.prefill_ms += turn.prefill_ms
-        for mine, theirs in ((self.drafted, turn.drafted), (self.accepted, turn.accepted)):
-            for k, v in theirs.items():
-                mine[k] = mine.get(k, 0) + v
-
-    def as_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "tokens": self.tokens,
-            "target_forwards": self.target_forwards,
-            "tokens_per_forward": round(self.tokens_per_forward, 3),
-            "mean_accepted_no_bonus": round(self.mean_accepted, 3),
-            "drafted": dict(self.drafted),
-            "accepted": dict(self.accepted),
-            "prefill_ms": round(self.prefill_ms, 2),
-            "ttft_ms": round(self.ttft_ms, 2),
-            "total_ms": round(self.total_ms, 2),
-            "tokens_per_s": round(self.tokens_per_s, 1),
-            "finish_reason": self.finish_reason,
-        }
-
-
 # The lean stack's LM head under Runner.forward's ``greedy``: its first chunk of logit rows
 # (stack.cpp's STOP_ROWS: the root and three nodes), then the rest in a second pass over
 # the head's weights. A walk ending inside the first chunk saves the rest of the head's
@@ -156,33 +72,6 @@ class Stats:
 # STOP_BELOW, where that saving and that cost break even (timed: BENCHMARKS.md).
 HEAD_FIRST_ROWS = 4
 STOP_BELOW = 0.65
-
-
-@dataclass
-class Step:
-    """One target forward's outcome: the new token ids (through the stop token, if one
-    ended the request), what the step drafted and accepted, the running stats."""
-
-    token_ids: list[int]
-    accepted: int
-    drafted: int
-    stats: Stats
-    done: bool = False
-
-
-@dataclass
-class Verified:
-    """What :meth:`Engine.verify_step` returns: accepted draft nodes, the BONUS token, and
-    the forward's rows (logits, taps) and wall time for the proposer to observe. For a
-    greedy draft whose rows no proposer reads (``Draft.reads_rows``), ``logits`` may stop
-    at the row where verification's walk ended (``Runner.forward``'s ``greedy``)."""
-
-    accepted: list[int]
-    bonus: int
-    logits: torch.Tensor
-    hidden: torch.Tensor | None
-    forward_ms: float
-    forward_tokens: int
 
 
 class Engine(ModelTarget):
@@ -273,13 +162,23 @@ class Engine(ModelTarget):
         """Feed ``prompt`` after its longest cached prefix: ``(last row's logits (1, V),
         prompt tokens reused)``. With ``taps``, every prompt position's tapped hidden
         states end up in :meth:`prompt_hidden` (reused positions included)."""
+        common = self._reuse(prompt, taps)
+        return self._feed(prompt, common, taps), common
+
+    def _reuse(self, prompt: list[int], taps: tuple[int, ...]) -> int:
+        """Make the cache slot sharing most with ``prompt`` the active one and cut it to
+        the prompt's reusable prefix (never the whole prompt): how many tokens it keeps."""
         self.warm_taps = taps
         self.slots.pick(prompt)
         common = self.slots.reusable(prompt, taps)
         self.runner.truncate(common)
+        return common
+
+    def _feed(self, prompt: list[int], common: int, taps: tuple[int, ...]) -> torch.Tensor:
+        """Feed ``prompt[common:]`` after the ``common`` cached tokens: the last row's logits."""
         out = self.runner.forward(prompt[common:], taps=taps, last_only=True)
         self.slots.record_prompt(prompt, common, out.hidden if taps else None)
-        return out.logits[-1:], common
+        return out.logits[-1:]
 
     def cached_tokens(self, prompt: list[int]) -> int:
         """Leading ``prompt`` tokens some cache slot holds (what a request with it would
@@ -316,21 +215,25 @@ class Engine(ModelTarget):
         params: GenParams,
         gen: torch.Generator | None,
         taps: tuple[int, ...] = (),
-        mask: torch.Tensor | None = None,
+        done: list[int] | None = None,
     ) -> Verified:
         """One target forward over ``[root] + draft``, verified; the cache keeps the root
-        and the accepted nodes. ``mask`` (a constrained step, no draft) limits the token."""
+        and the accepted nodes. ``done``: the ids generated before ``root``'s row, for
+        ``params.constraint`` (each row's logits are masked as the ids on its path allow,
+        so the target's choice at every row is what constrained plain decoding takes)."""
         ids, parents = [root], None
         if draft is not None and len(draft):
             ids += draft.tokens
             assert draft.parents is not None
             if not draft.is_chain:
                 parents = [-1] + [p + 1 for p in draft.parents]
+        masks = row_masks(params.constraint, done or [], draft)
         # a greedy draft nobody reads the other rows of: the runner may stop its LM head at
         # the row where verification's walk ends (the rows after it are never read), when
-        # the walk is likely to end inside the head's first chunk of rows (STOP_BELOW)
+        # the walk is likely to end inside the head's first chunk of rows (STOP_BELOW); its
+        # walk follows the unmasked rows, so not under a constraint
         greedy = (
-            params.temperature == 0 and mask is None and draft is not None and not draft.reads_rows
+            params.temperature == 0 and not masks and draft is not None and not draft.reads_rows
         )
         if greedy:
             assert draft is not None
@@ -338,8 +241,12 @@ class Engine(ModelTarget):
             greedy = deep is None or deep < STOP_BELOW
         t0 = time.perf_counter()
         fwd = self.runner.forward(ids, parents, taps=taps, greedy=greedy)  # (<= T, V)
-        logits = fwd.logits if mask is None else fwd.logits.masked_fill(~mask, float("-inf"))
-        best = fwd.best if mask is None and params.temperature <= 0 else None
+        logits, best = fwd.logits, fwd.best if params.temperature <= 0 else None
+        if masks:
+            logits = logits.clone()
+            for row, mask in masks.items():
+                logits[row].masked_fill_(~mask, float("-inf"))
+            best = None
         if best is None:
             best = self._argmax(logits, params)
         accepted, bonus = verify(draft, logits, params.temperature, params.top_p, gen, best)
@@ -402,10 +309,25 @@ class Engine(ModelTarget):
             proposer.begin(info or RequestInfo(prompt, temperature=params.temperature,
                                                max_tokens=max_tokens))  # fmt: skip
         taps: tuple[int, ...] = tuple(getattr(proposer, "taps", ()) or ())
-        first, stats = self._first(prompt, params, proposer, taps, gen)
-        stats.prefill_ms = (time.perf_counter() - t0) * 1000
+        common = self._reuse(prompt, taps)
+        stats = Stats(prompt_tokens=len(prompt), cached_tokens=common)
         out: list[int] = []
-        new, accepted_n, drafted_n = [first], 0, 0
+        if params.lead_step and proposer is not None and not taps and common == len(prompt) - 1:
+            # all but the prompt's last token cached (a keystroke): that token is the first
+            # step's root and the draft starts from the prompt, so the forward that would
+            # only have fed it verifies a draft too (a proposer reading taps gets its
+            # hidden states from a prefill instead)
+            self.slots.record_prompt(prompt[:-1], common, None)
+            stats.prefill_ms = (time.perf_counter() - t0) * 1000
+            stats.lead_steps = 1
+            new, accepted_n, drafted_n = self._step(
+                prompt[-1], prompt, out, params, proposer, gen, taps, max_tokens, stats, lead=True
+            )
+        else:
+            first = self._first(prompt, common, params, proposer, taps, gen)
+            stats.target_forwards = 1
+            stats.prefill_ms = (time.perf_counter() - t0) * 1000
+            new, accepted_n, drafted_n = [first], 0, 0
         while True:
             new, finish = self._cut(new, out, max_tokens)
             stats.tokens = len(out) + (1 if finish == "stop" else 0)
@@ -417,35 +339,54 @@ class Engine(ModelTarget):
             yield Step(new, accepted_n, drafted_n, stats, done=bool(finish))
             if finish:
                 return
-            remaining = max_tokens - len(out)
-            budget = min(params.max_draft, remaining - 1, self.max_length - self.runner.length - 2)
-            mask = params.constraint(out) if params.constraint is not None else None
-            draft = None if mask is not None else self._draft(proposer, prompt + out, budget)
-            v = self.verify_step(new[-1], draft, params, gen, taps, mask)
-            stats.target_forwards += 1
-            stats.decode_steps += 1
-            if draft is not None:
-                stats.count_draft(draft, v.accepted)
-            new = [draft.tokens[a] for a in v.accepted] if draft is not None else []
-            new.append(v.bonus)
-            drafted_n, accepted_n = len(draft) if draft is not None else 0, len(v.accepted)
-            if proposer is not None:
-                proposer.observe(StepResult(draft, v.accepted, v.bonus, list(new), logits=v.logits,
-                                            hidden=v.hidden, forward_ms=v.forward_ms,
-                                            forward_tokens=v.forward_tokens))  # fmt: skip
+            new, accepted_n, drafted_n = self._step(new[-1], prompt + out, out, params, proposer,
+                                                    gen, taps, max_tokens, stats)  # fmt: skip
+
+    def _step(
+        self,
+        root: int,
+        context: list[int],
+        out: list[int],
+        params: GenParams,
+        proposer: Proposer | None,
+        gen: torch.Generator | None,
+        taps: tuple[int, ...],
+        max_tokens: int,
+        stats: Stats,
+        lead: bool = False,
+    ) -> tuple[list[int], int, int]:
+        """Propose from ``context`` (ending at ``root``), verify, let the proposer observe:
+        ``(the step's new tokens, accepted, drafted)``; ``out``: the ids generated so far;
+        ``lead``: ``root`` is the prompt's last token (no prefill gave a first token)."""
+        budget = min(params.max_draft, max_tokens - len(out) - 1,
+                     self.max_length - self.runner.length - 2)  # fmt: skip
+        draft = self._draft(proposer, context, budget)
+        v = self.verify_step(root, draft, params, gen, taps, out)
+        stats.target_forwards += 1
+        stats.decode_steps += 1
+        if draft is not None:
+            stats.count_draft(draft, v.accepted)
+        new = [draft.tokens[a] for a in v.accepted] if draft is not None else []
+        new.append(v.bonus)
+        if proposer is not None:
+            proposer.observe(StepResult(draft, v.accepted, v.bonus, list(new), logits=v.logits,
+                                        hidden=v.hidden, forward_ms=v.forward_ms,
+                                        forward_tokens=v.forward_tokens,
+                                        lead=lead))  # fmt: skip
+        return new, len(v.accepted), len(draft) if draft is not None else 0
 
     def _first(
         self,
         prompt: list[int],
+        common: int,
         params: GenParams,
         proposer: Proposer | None,
         taps: tuple[int, ...],
         gen: torch.Generator | None,
-    ) -> tuple[int, Stats]:
-        """Prefill ``prompt`` (its hidden states to a proposer that reads them) and sample
-        the first token from the prefill's logits; the request's stats so far."""
-        stats = Stats(prompt_tokens=len(prompt))
-        logits, stats.cached_tokens = self.prefill(prompt, taps)
+    ) -> int:
+        """Feed ``prompt`` after its ``common`` cached tokens (its hidden states to a
+        proposer that reads them) and sample the first token from the last row's logits."""
+        logits = self._feed(prompt, common, taps)
         if proposer is not None and taps and hasattr(proposer, "prefilled"):
             proposer.prefilled(self.prompt_hidden(len(prompt)))
         mask = params.constraint([]) if params.constraint is not None else None
@@ -453,8 +394,7 @@ class Engine(ModelTarget):
             logits = logits.masked_fill(~mask, float("-inf"))
         best = self._argmax(logits, params)
         _, first = verify(None, logits, params.temperature, params.top_p, gen, best)
-        stats.target_forwards = 1
-        return first, stats
+        return first
 
     def _cut(self, new: list[int], out: list[int], max_tokens: int) -> tuple[list[int], str]:
         """Append a step's tokens to ``out`` in order until a stop token (``stop``) or

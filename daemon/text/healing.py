@@ -16,8 +16,8 @@ token's text lets the model pick its own split (``"\\n       "`` then
 The constraint: while the backed-off text ``R`` is not yet covered, the next
 token must either start with the rest of ``R`` or be a proper prefix of it;
 once covered, decoding is free. The engine applies it as a mask on the logits
-of those steps and drafts nothing while it is active, so plain and speculative
-decoding see the same masked distribution (losslessness is kept).
+of those steps; a verify step masks each row as the ids on its path allow, so plain
+and speculative decoding see the same masked distribution (losslessness is kept).
 
 Must not touch: the engine's loop, prompts, documents.
 """

@@ -56,13 +56,16 @@ class StepRecord:
 @dataclass
 class Turn:
     """One ``Engine.stream`` of a request (a request preempted runs several): when its
-    prefill began, its proposer and draft length under the load at that moment."""
+    prefill began, its proposer and draft length under the load at that moment; ``lead``:
+    its first step was rooted at the prompt's last token (``StepResult.lead``), so no
+    prefill gave it a first token."""
 
     t_begin: float
     speculation: str
     max_draft: int
     active: int
     steps: list[StepRecord] = field(default_factory=list)
+    lead: bool = False
 
 
 @dataclass
@@ -146,6 +149,8 @@ class RecordingProposer:
         t = time.perf_counter()
         if self._proposer is not None:
             self._proposer.observe(result)
+        if result.lead and not self._turn.steps:
+            self._turn.lead = True
         if len(self._turn.steps) >= MAX_STEPS:
             return
         draft = result.draft

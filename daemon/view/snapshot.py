@@ -37,13 +37,16 @@ def pieces(decode: Decode, ids: Sequence[int]) -> list[str]:
 
 def _rows(rec: Record, stop_ids: set[int]) -> list[tuple[int | None, str, int, bool]]:
     """(id, source, step number or -1, cut) per token the engine produced, in order: each
-    turn's prefill token, then each step's accepted tokens and bonus. A token that is not
+    turn's prefill token (none where its first step was rooted at the prompt's last
+    token: ``Turn.lead``), then each step's accepted tokens and bonus. A token that is not
     in the output (a stop token, past ``max_tokens``) is ``cut``; output no step noted is
     the ``target``'s."""
     rows: list[tuple[int | None, str, int, bool]] = []
     out, i, n = rec.out_ids, 0, 0
     for turn in rec.turns:
-        if i < len(out):
+        if turn.lead:
+            pass  # its first token came from its first step
+        elif i < len(out):
             rows.append((out[i], "prefill", -1, False))
             i += 1
         elif not turn.steps and rec.finish == "stop":
