@@ -24,6 +24,7 @@ blocks, an unsupported one is refused with a reason; the fast tokenizer answers 
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -730,6 +731,59 @@ def test_a_long_forward_that_waits_does_not_stop_the_decode_steps_spinning(
     finally:
         lib.cs_lean_spin_reset()
         lib.cs_lean_row_split(row_split)
+
+
+def test_a_forward_after_an_idle_spell_spins_longer_and_teaches_the_policy_nothing(
+    model_file: Path, monkeypatch
+) -> None:
+    """A forward that starts long after the last one ended (its partner threads asleep,
+    their cores idle) waits at its barriers while they come back, on an idle machine too:
+    it spins longer (2 ms), and what it saw does not turn spinning off for the forwards
+    after it (keystrokes ~150 ms apart tripped the policy at nearly every completion). With
+    the idle rule off, the same waits trip it. A real forward after a pause is cold; one
+    right after another is not."""
+    import time
+
+    lib = quant_gemm.library()
+    if lib is None:
+        pytest.skip("no quantized kernel")
+    monkeypatch.delenv("CODESPEC_SPIN_US", raising=False)
+    cold = ctypes.c_int(0)
+    lib.cs_lean_spin_reset()
+    lib.cs_lean_spin_cold_us(10_000.0)
+    try:
+        lib.cs_lean_spin_end(1, 0, 0, 0, 0)  # a forward just ended
+        spin = lib.cs_lean_spin_begin(1, ctypes.byref(cold))
+        assert cold.value == 0 and 0 < spin < 2_000_000
+        lib.cs_lean_spin_end(1, 0, spin, 330, 200)  # most waits slept: spinning off
+        assert lib.cs_lean_spin_ns(1) == 0
+        lib.cs_lean_spin_reset()
+        time.sleep(0.03)
+        assert lib.cs_lean_spin_begin(1, ctypes.byref(cold)) == 2_000_000 and cold.value == 1
+        lib.cs_lean_spin_end(1, 1, 2_000_000, 330, 200)
+        assert lib.cs_lean_spin_ns(1) == spin  # still spins
+        lib.cs_lean_spin_cold_us(0.0)  # the rule off: the same idle forward trips it
+        time.sleep(0.03)
+        assert lib.cs_lean_spin_begin(1, ctypes.byref(cold)) == spin and cold.value == 0
+        lib.cs_lean_spin_end(1, 0, spin, 330, 200)
+        assert lib.cs_lean_spin_ns(1) == 0
+        # the one-region forward goes through it
+        lib.cs_lean_spin_reset()
+        lib.cs_lean_spin_cold_us(10_000.0)
+        runner = LeanRunner.from_gguf(model_file, max_length=96, int8=True)
+        ids = _ids(4, 3, runner.vocab_size)
+        torch.set_num_threads(2)
+        runner.forward(ids)
+        colds = lib.cs_lean_spin_colds()
+        runner.forward(ids)  # right after the last: warm
+        assert lib.cs_lean_spin_colds() == colds
+        time.sleep(0.03)
+        runner.forward(ids)
+        assert lib.cs_lean_spin_colds() == colds + 1
+    finally:
+        torch.set_num_threads(1)
+        lib.cs_lean_spin_cold_us(-1.0)
+        lib.cs_lean_spin_reset()
 
 
 def _walk_end(logits: torch.Tensor, ids: list[int], parents: list[int] | None) -> int:

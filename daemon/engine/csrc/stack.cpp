@@ -800,6 +800,17 @@ struct Progress {
 // earlier ones' keys at every layer (Progress) because that is their order: its waits
 // would turn spinning off for the small drafts' forwards by panels after it, each of them
 // then about twice as long.
+//
+// A forward that starts long after the last one ended (COLD_US, env CODESPEC_SPIN_COLD_US,
+// 0: none is cold) is not learnt from: its partner threads were asleep, their cores idle
+// (a VM's idle virtual CPU is descheduled by the host), and they come back slowly, so its
+// waits outlast the spin on an idle machine too. Keystrokes ~150 ms apart tripped the
+// policy at nearly every completion, and the forwards after each trip slept at every
+// barrier (a forward of 2-4 tokens 24-28 -> 33-47 ms on a 2-core Xeon VM). A cold forward
+// also spins longer (COLD_SPIN_US, where the policy spins at all): with the usual spin its
+// first waits, for a partner coming back, outlasted it, the waiter slept, its own core
+// went idle and came back slowly in turn, and so on at every barrier (after 100 ms idle,
+// 2-8 tokens 24-38 -> 44-62 ms; with 2 ms of spin 27-41).
 struct SpinPolicy {
   struct State {
     std::atomic<int64_t> forwards{0}, skip_until{0}, pause{16}, trips{0};
@@ -807,7 +818,42 @@ struct SpinPolicy {
   static constexpr int SIZES = 5;
   State size[SIZES];
   std::atomic<int64_t> forwards{0};  // one-region forwards run (cs_lean_team_forwards)
+  std::atomic<int64_t> last_end_ns{0};  // when the last one-region forward ended
   int64_t spin_ns = -1;
+  int64_t cold_ns = -1;
+  static constexpr int64_t COLD_SPIN_NS = 2'000'000;  // COLD_SPIN_US
+
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  std::atomic<int64_t> colds{0};  // cold forwards so far (cs_lean_spin_colds)
+
+  // Whether a forward starting now comes after an idle spell (see above).
+  bool cold() {
+    if (cold_ns < 0) {
+      const char* e = std::getenv("CODESPEC_SPIN_COLD_US");
+      const double us = e ? std::atof(e) : 5000.0;
+      cold_ns = us > 0 ? static_cast<int64_t>(us * 1000.0) : 0;
+    }
+    const int64_t last = last_end_ns.load();
+    return cold_ns > 0 && last > 0 && now_ns() - last > cold_ns;
+  }
+
+  // A forward of T tokens begins: the spin its barriers get (a cold one's longer) and
+  // whether it is cold. end() with what it saw: learnt from unless cold.
+  int64_t begin(int64_t T, bool rows, bool& was_cold) {
+    was_cold = cold();
+    const int64_t spin = spin_for_next(T, rows);
+    if (was_cold) colds.fetch_add(1);
+    return was_cold && spin > 0 ? std::max(spin, COLD_SPIN_NS) : spin;
+  }
+  void end(int64_t T, bool rows, bool was_cold, int64_t spun_ns, int64_t waits, int64_t slept) {
+    forwards.fetch_add(1);
+    after(T, rows, was_cold ? 0 : spun_ns, waits, slept);
+    last_end_ns.store(now_ns());
+  }
 
   static int size_of(int64_t T, bool rows) {
     return T <= 1 ? 0 : T <= 16 ? (rows ? 2 : 1) : T <= 64 ? 3 : 4;
@@ -1394,6 +1440,23 @@ int64_t cs_lean_spin_forwards(int64_t T) {
 int64_t cs_lean_spin_trips(int64_t T) {
   return spin_policy().size[SpinPolicy::size_of(T, by_rows(T, 2))].trips.load();
 }
+// A forward of T tokens as cs_lean_forward runs one, for tests: begin (the spin it gets;
+// *cold: whether it came after an idle spell), then end with the waits it saw.
+int64_t cs_lean_spin_begin(int64_t T, int32_t* cold) {
+  bool c = false;
+  const int64_t spin = spin_policy().begin(T, by_rows(T, 2), c);
+  *cold = c ? 1 : 0;
+  return spin;
+}
+void cs_lean_spin_end(int64_t T, int32_t cold, int64_t spun_ns, int64_t waits, int64_t slept) {
+  spin_policy().end(T, by_rows(T, 2), cold != 0, spun_ns, waits, slept);
+}
+// Cold forwards so far; and the idle spell that makes one (us; 0: none is; < 0: the
+// environment's, CODESPEC_SPIN_COLD_US, else the default): for tests.
+int64_t cs_lean_spin_colds() { return spin_policy().colds.load(); }
+void cs_lean_spin_cold_us(double us) {
+  spin_policy().cold_ns = us < 0 ? -1 : static_cast<int64_t>(us * 1000.0);
+}
 // Forget what the spin policy learnt (every size spins again), for tests.
 void cs_lean_spin_reset() {
   for (auto& s : spin_policy().size) {
@@ -1417,7 +1480,8 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
     thread_local Barrier bar;
     SpinPolicy& sp = spin_policy();
     const bool rows = by_rows(f->T, f->threads);
-    bar.spin_ns = sp.spin_for_next(f->T, rows);
+    bool cold = false;
+    bar.spin_ns = sp.begin(f->T, rows, cold);
     bar.waits = 0;
     bar.slept = 0;
     int rc;
@@ -1427,8 +1491,7 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
     else
 #endif
       rc = zs::forward_team(*m, *f, bar);
-    sp.forwards.fetch_add(1);
-    sp.after(f->T, rows, bar.spin_ns, bar.waits.load(), bar.slept.load());
+    sp.end(f->T, rows, cold, bar.spin_ns, bar.waits.load(), bar.slept.load());
     return rc;
   }
 #ifdef LS_X86
