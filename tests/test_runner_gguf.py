@@ -750,7 +750,7 @@ def test_a_forward_after_an_idle_spell_spins_longer_and_teaches_the_policy_nothi
     monkeypatch.delenv("CODESPEC_SPIN_US", raising=False)
     cold = ctypes.c_int(0)
     lib.cs_lean_spin_reset()
-    lib.cs_lean_spin_cold_us(10_000.0)
+    lib.cs_lean_spin_cold_us(50_000.0)
     try:
         lib.cs_lean_spin_end(1, 0, 0, 0, 0)  # a forward just ended
         spin = lib.cs_lean_spin_begin(1, ctypes.byref(cold))
@@ -758,18 +758,18 @@ def test_a_forward_after_an_idle_spell_spins_longer_and_teaches_the_policy_nothi
         lib.cs_lean_spin_end(1, 0, spin, 330, 200)  # most waits slept: spinning off
         assert lib.cs_lean_spin_ns(1) == 0
         lib.cs_lean_spin_reset()
-        time.sleep(0.03)
+        time.sleep(0.12)
         assert lib.cs_lean_spin_begin(1, ctypes.byref(cold)) == 2_000_000 and cold.value == 1
         lib.cs_lean_spin_end(1, 1, 2_000_000, 330, 200)
         assert lib.cs_lean_spin_ns(1) == spin  # still spins
         lib.cs_lean_spin_cold_us(0.0)  # the rule off: the same idle forward trips it
-        time.sleep(0.03)
+        time.sleep(0.12)
         assert lib.cs_lean_spin_begin(1, ctypes.byref(cold)) == spin and cold.value == 0
         lib.cs_lean_spin_end(1, 0, spin, 330, 200)
         assert lib.cs_lean_spin_ns(1) == 0
         # the one-region forward goes through it
         lib.cs_lean_spin_reset()
-        lib.cs_lean_spin_cold_us(10_000.0)
+        lib.cs_lean_spin_cold_us(50_000.0)
         runner = LeanRunner.from_gguf(model_file, max_length=96, int8=True)
         ids = _ids(4, 3, runner.vocab_size)
         torch.set_num_threads(2)
@@ -777,7 +777,7 @@ def test_a_forward_after_an_idle_spell_spins_longer_and_teaches_the_policy_nothi
         colds = lib.cs_lean_spin_colds()
         runner.forward(ids)  # right after the last: warm
         assert lib.cs_lean_spin_colds() == colds
-        time.sleep(0.03)
+        time.sleep(0.12)
         runner.forward(ids)
         assert lib.cs_lean_spin_colds() == colds + 1
     finally:
