@@ -49,7 +49,9 @@ def ids_of(engine, layout: str) -> list[int]:
     return engine.tokenizer.encode(layout, add_special_tokens=False)
 
 
-def prepared(engine, context: str, others=(), text=TEXT, cursor=CURSOR, middle="line"):
+def prepared(
+    engine, context: str, others=(), text=TEXT, cursor=CURSOR, middle="line", **kw
+):
     store = DocumentStore()
     for uri, other in others:
         store.open(uri, other, 1, "python")
@@ -61,6 +63,7 @@ def prepared(engine, context: str, others=(), text=TEXT, cursor=CURSOR, middle="
         context_tokens=1024,
         context=context,
         middle=middle,
+        **kw,
     )
     return completion.prepare_complete(engine, store, SnippetCache(), doc, req)
 
@@ -179,3 +182,22 @@ def test_an_edit_goes_through_the_chat_template_with_the_old_text_as_draft(qwen_
     reply = "def total(values):\n    return sum(values)\n```\nThis sums them."
     piece, hit = prep.tracker.feed(qwen_tiny.encode(reply), final=True)
     assert hit and piece == prep.tracker.text == "def total(values):\n    return sum(values)\n"
+
+
+def test_the_suffix_holds_at_most_suffix_tokens_from_its_start(qwen_tiny):
+    """``suffix_tokens`` caps the text after the cursor a FIM prompt carries (its first
+    tokens; the prefix and the middle as they were), and the daemon's config sets it."""
+    from codespec.daemon.config import load_config
+
+    text = TEXT + "".join(f"\n\ndef after_{i}(x):\n    return x + {i}\n" for i in range(40))
+    fim = qwen_tiny.fim
+    for n in (8, 32):
+        ids = prepared(qwen_tiny, "none", text=text, suffix_tokens=n).prompt_ids
+        suffix = ids[ids.index(fim.suffix) + 1 : ids.index(fim.middle)]
+        assert len(suffix) == n
+        assert qwen_tiny.decode(suffix) == qwen_tiny.decode(
+            qwen_tiny.encode(text[CURSOR : CURSOR + 40 * n])[:n]
+        )
+    longer = prepared(qwen_tiny, "none", text=text, suffix_tokens=64).prompt_ids
+    assert len(longer) > len(ids)
+    assert load_config(None, {"completion": {"suffix_tokens": 256}}).completion.suffix_tokens == 256

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from codespec.daemon.bench.decoding import add_engine_args, open_engine
 from codespec.daemon.bench.workload_items import load_workload
-from codespec.daemon.config import Limits
+from codespec.daemon.config import Completion, Limits
 from codespec.daemon.text.tracker import repeats_a_piece
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ class Runner:
         self.speculation = speculation
         self.context_tokens = context_tokens
         self.middle = "line"  # where a FIM prompt's middle starts (prompts.completion.MIDDLES)
+        self.suffix_tokens = Completion().suffix_tokens  # a FIM prompt's most suffix tokens
         self.snippets = SnippetCache()
         self.scheduler = Scheduler(engine, None, Speculation(), max_queue=4)
         self.scheduler.start()
@@ -103,6 +104,7 @@ class Runner:
             context_tokens=self.context_tokens,
             context=variant,
             middle=self.middle,
+            suffix_tokens=self.suffix_tokens,
         )
         prep = completion.prepare_complete(self.engine, store, self.snippets, doc, req)
         job = prepared_job(prep, GenParams(max_tokens=max_tokens), self.speculation,
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=Limits().context_tokens,
                    help="prompt tokens at most (default: the daemon's)")  # fmt: skip
     p.add_argument("--middles", default="line", help="of line, cursor (FIM models)")
+    p.add_argument("--suffix-tokens", type=int, default=Completion().suffix_tokens,
+                   help="a FIM prompt's most suffix tokens (default: the daemon's)")  # fmt: skip
     p.add_argument("--at", default="start", choices=AT,
                    help="where in its line a completion item's cursor stands")  # fmt: skip
     add_engine_args(p, threads=2)
@@ -179,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no completion or function items in the workloads")
     engine = open_engine(args)
     runner = Runner(engine, args.speculation, args.context)
+    runner.suffix_tokens = args.suffix_tokens
     rows = {v: {"completion": 0, "exact": 0, "similarity": 0.0, "function": 0, "parses": 0,
                 "multi": 0, "loops": 0, "cut": 0} for v, _, _ in variants}  # fmt: skip
     try:

@@ -104,6 +104,7 @@ def complete_prompt(
     heal: bool = True,
     top_uri: str = "",
     middle: str = "line",
+    suffix_tokens: int = SUFFIX_TOKENS,
 ) -> CompletionPrompt:
     """The prompt for a completion at ``offset`` of ``text``; a blank ``text`` gives an
     empty prompt (nothing to complete: the caller answers with an empty completion), as
@@ -120,7 +121,7 @@ def complete_prompt(
     cannot see still ends the completion (``stop_lines``). ``top_uri``: the file, for a
     model without FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before
     the cursor): it gets the ``<file_sep>path`` header (without it SmolLM2 answers
-    ``import `` with prose)."""
+    ``import `` with prose). A FIM prompt carries at most ``suffix_tokens`` of the suffix."""
     window = min(engine.max_length, context_tokens or engine.max_length)
     budget = min(window, engine.max_length - max_tokens - 1)
     if budget < 8:
@@ -129,7 +130,7 @@ def complete_prompt(
         return CompletionPrompt([])
     line_start = text.rfind("\n", 0, offset) + 1
     head_line = _middle_head(engine, text, line_start, offset, middle)
-    most = prefix_chars(engine, budget, bool(snippets))  # the prefix ends where M starts
+    most = prefix_chars(engine, budget, bool(snippets), suffix_tokens)  # ends where M starts
     prefix_ids, fit = _anchored_prefix(engine, text, offset - len(head_line), most)
     after = text[offset : offset + budget * CHARS_PER_TOKEN_CAP]
     stops = next_lines(after)
@@ -138,7 +139,8 @@ def complete_prompt(
              "max_indent": indent_cap(text, line_start, offset)}  # fmt: skip
     if engine.fim is not None:
         mid = engine.encode(head_line)
-        ids, used, at, n = _fim_complete(engine, fit, after, budget, uri, snippets or [], mid)
+        ids, used, at, n = _fim_complete(engine, fit, after, budget, uri, snippets or [], mid,
+                                         suffix_tokens)  # fmt: skip
         ids, healed = heal_prompt(engine, ids) if heal and head_line else (ids, "")
         return CompletionPrompt(ids, healed, stops, first_counts, used, **rules, prefix_at=at,
                                 prefix_end=at + n)  # fmt: skip
@@ -190,14 +192,16 @@ def _middle_head(engine: TextModel, text: str, line_start: int, offset: int, mid
     return text[line_start:offset] if offset - line_start <= LINE_HEAD_CHARS else ""
 
 
-def prefix_chars(engine: TextModel, budget: int, snippets: bool) -> int:
+def prefix_chars(
+    engine: TextModel, budget: int, snippets: bool, suffix_tokens: int = SUFFIX_TOKENS
+) -> int:
     """A completion prefix's most characters (:func:`~.parts.anchors`): its room in
     tokens (the budget less the suffix's and, with snippets, their third) at
     :data:`~.parts.ANCHOR_CHARS_PER_TOKEN`. Set by the budget alone, so it does not move
     while the user types."""
     room = budget - (budget // 3 if snippets else 0)
     if engine.fim is not None:
-        room -= SUFFIX_TOKENS + 3
+        room -= suffix_tokens + 3
     return int(max(room, 16) * ANCHOR_CHARS_PER_TOKEN)
 
 
@@ -218,7 +222,7 @@ def file_runs(
     budget = min(window, engine.max_length - req.max_tokens - 1)
     if budget < 8:
         return []
-    text, most = doc.text, prefix_chars(engine, budget, False)
+    text, most = doc.text, prefix_chars(engine, budget, False, req.suffix_tokens)
     spans: list[tuple[int, int, int]] = []  # (distance from the cursor, anchor, end)
     for a in anchors(text, len(text), most)[1]:
         end = text.rfind("\n", a, min(len(text), a + most)) + 1  # the last line start
@@ -230,11 +234,12 @@ def file_runs(
     # the head (and <|fim_prefix|>) every run begins with: it does not depend on the prefix
     uri = doc.uri if req.context != "none" else ""
     cp = complete_prompt(engine, text, spans[0][2], req.max_tokens, req.context_tokens,
-                         uri=uri, heal=False, middle=req.middle)  # fmt: skip
+                         uri=uri, heal=False, middle=req.middle,
+                         suffix_tokens=req.suffix_tokens)  # fmt: skip
     head = cp.prompt_ids[: cp.prefix_at]
     # a prompt's prefix from an anchor holds at most this many tokens (a longer one
     # starts at a later anchor: complete_prompt's fit)
-    room = budget - len(head) - (SUFFIX_TOKENS + 3 if engine.fim is not None else 0)
+    room = budget - len(head) - (req.suffix_tokens + 3 if engine.fim is not None else 0)
     runs: list[list[int]] = []
     for _, a, end in sorted(spans):
         run = head + engine.encode(text[a:end])[:room]
@@ -272,6 +277,7 @@ def _fim_complete(
     uri: str,
     snippets: list[crossfile.Snippet],
     middle_ids: list[int],
+    suffix_tokens: int = SUFFIX_TOKENS,
 ) -> tuple[list[int], list[crossfile.Snippet], int, int]:
     """A FIM model's completion prompt (:func:`complete_prompt`): ``(ids, the snippets
     used, where the prefix's ids start, how many they are)``; ``fit(room)``: the
@@ -288,9 +294,9 @@ def _fim_complete(
         head, n = fim.repo_head(engine.fim, engine.encode, repo, files, path, budget // 3)
         used = snippets[:n]
     room = budget - len(head) - len(middle_ids)
-    # the kept suffix tokens (at most SUFFIX_TOKENS) come from its first characters
-    suffix_ids = engine.encode(after[: SUFFIX_TOKENS * CHARS_PER_TOKEN_CAP])
-    suf_room = min(len(suffix_ids), SUFFIX_TOKENS, (room - 3) // 4)
+    # the kept suffix tokens (at most suffix_tokens) come from its first characters
+    suffix_ids = engine.encode(after[: suffix_tokens * CHARS_PER_TOKEN_CAP])
+    suf_room = min(len(suffix_ids), suffix_tokens, (room - 3) // 4)
     pre = fit(room - 3 - suf_room)
     ids = head + fim.fim_prompt(engine.fim, pre, suffix_ids[:suf_room], room) + middle_ids
     return ids, used, len(head) + 1, len(pre)
@@ -335,7 +341,8 @@ class CompleteRequest:
     ``context``: the layout, one of :data:`CONTEXTS` (``none``: the prefix alone,
     ``header``: under a ``<file_sep>path`` line, ``crossfile``: after snippets of the
     other recent documents); ``stop``: stop strings besides the line break; ``middle``:
-    where a FIM prompt's middle starts, one of :data:`MIDDLES`.
+    where a FIM prompt's middle starts, one of :data:`MIDDLES`; ``suffix_tokens``: the
+    most suffix tokens a FIM prompt carries.
     """
 
     offset: int
@@ -345,6 +352,7 @@ class CompleteRequest:
     context: str = "none"
     stop: tuple[str, ...] = ()
     middle: str = "line"
+    suffix_tokens: int = SUFFIX_TOKENS
 
 
 def prepare_complete(
@@ -378,6 +386,7 @@ def prepare_complete(
         snippets=picked,
         top_uri=doc.uri,
         middle=req.middle,
+        suffix_tokens=req.suffix_tokens,
     )
     stops = list(req.stop) if req.multiline else ["\n", "\r", *req.stop]
     tracker = TextTracker(

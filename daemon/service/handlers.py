@@ -240,6 +240,7 @@ class Methods:
             context_tokens=srv.config.limits.context_tokens,
             context=srv.config.completion.context,
             middle=srv.config.completion.middle,
+            suffix_tokens=srv.config.completion.suffix_tokens,
         )
         try:
             prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
@@ -288,6 +289,7 @@ class Methods:
             context_tokens=srv.config.limits.context_tokens,
             context=srv.config.completion.context,
             middle=srv.config.completion.middle,
+            suffix_tokens=srv.config.completion.suffix_tokens,
             stop=tuple(p.stop),
         )
         prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
