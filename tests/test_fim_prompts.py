@@ -49,9 +49,7 @@ def ids_of(engine, layout: str) -> list[int]:
     return engine.tokenizer.encode(layout, add_special_tokens=False)
 
 
-def prepared(
-    engine, context: str, others=(), text=TEXT, cursor=CURSOR, middle="line", **kw
-):
+def prepared(engine, context: str, others=(), text=TEXT, cursor=CURSOR, middle="line", **kw):
     store = DocumentStore()
     for uri, other in others:
         store.open(uri, other, 1, "python")

@@ -107,21 +107,19 @@ def complete_prompt(
     suffix_tokens: int = SUFFIX_TOKENS,
 ) -> CompletionPrompt:
     """The prompt for a completion at ``offset`` of ``text``; a blank ``text`` gives an
-    empty prompt (nothing to complete: the caller answers with an empty completion), as
-    does an empty one below.
-
-    FIM models get ``<prefix> P <suffix> S <middle> M`` (``M``: the middle's start, see
-    ``middle``, one of :data:`MIDDLES`). Models without FIM tokens get a left-to-right
-    prompt: with ``<file_sep>`` in the vocabulary, the ``snippets`` of other files and
-    then the current file, each under a ``<file_sep>path`` header as repository-level
-    training data is laid out; then the prefix, its last token backed off for healing
-    (``heal``). The prefix starts at an anchor (:func:`_anchored_prefix`). The prompt
-    holds at most ``context_tokens`` tokens (default: the model's whole context), leaving
-    room for ``max_tokens``; snippets get at most a third of it. The suffix the model
-    cannot see still ends the completion (``stop_lines``). ``top_uri``: the file, for a
-    model without FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before
+    empty prompt (nothing to complete: the caller answers with an empty completion), as does
+    an empty one below. FIM models get ``<prefix> P <suffix> S <middle> M`` (``M``: the
+    middle's start, see ``middle``, one of :data:`MIDDLES`). Models without FIM tokens get a
+    left-to-right prompt: with ``<file_sep>`` in the vocabulary, the ``snippets`` of other
+    files and then the current file, each under a ``<file_sep>path`` header as
+    repository-level training data is laid out; then the prefix, its last token backed off
+    for healing (``heal``). The prefix starts at an anchor (:func:`_anchored_prefix`). The
+    prompt holds at most ``context_tokens`` tokens (default: the model's whole context),
+    leaving room for ``max_tokens``; snippets get at most a third of it. The suffix the
+    model cannot see still ends the completion (``stop_lines``). ``top_uri``: the file, for
+    a model without FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before
     the cursor): it gets the ``<file_sep>path`` header (without it SmolLM2 answers
-    ``import `` with prose). A FIM prompt carries at most ``suffix_tokens`` of the suffix."""
+    ``import `` with prose). ``suffix_tokens``: the most a FIM prompt's suffix holds."""
     window = min(engine.max_length, context_tokens or engine.max_length)
     budget = min(window, engine.max_length - max_tokens - 1)
     if budget < 8:
@@ -138,9 +136,8 @@ def complete_prompt(
     rules = {"rest": after.split("\n", 1)[0].rstrip("\r"),
              "max_indent": indent_cap(text, line_start, offset)}  # fmt: skip
     if engine.fim is not None:
-        mid = engine.encode(head_line)
-        ids, used, at, n = _fim_complete(engine, fit, after, budget, uri, snippets or [], mid,
-                                         suffix_tokens)  # fmt: skip
+        fim_args = (fit, after, budget, uri, snippets or [], engine.encode(head_line))
+        ids, used, at, n = _fim_complete(engine, *fim_args, suffix_tokens)
         ids, healed = heal_prompt(engine, ids) if heal and head_line else (ids, "")
         return CompletionPrompt(ids, healed, stops, first_counts, used, **rules, prefix_at=at,
                                 prefix_end=at + n)  # fmt: skip
