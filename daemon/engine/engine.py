@@ -13,7 +13,9 @@ One function per part of a request:
   when the draft is empty), :func:`~codespec.speculators.verify.verify` → the accepted
   draft nodes and the BONUS token, ``runner.keep()`` drops the rejected branches.
 - :meth:`Engine.stream`: the loop — propose, verify, yield a :class:`Step`, observe —
-  with the id-level stop rules (a stop token, ``max_tokens``, cancellation).
+  with the id-level stop rules (a stop token, ``max_tokens``, cancellation). A prompt
+  cached but its last token starts with a *lead step* (a verify step rooted at that
+  token, its draft proposed from the prompt) instead of a prefill.
 
 The state other layers keep per loaded model is held here, so it goes with the model; the
 engine never reads it: :attr:`Engine.speculator_state` (the policy's memory, lookahead's
