@@ -110,3 +110,32 @@ def test_a_keystroke_on_a_line_re_feeds_a_token_or_two_on_qwen(client):
             assert fed <= 2, (ch, r["stats"])
     finally:
         client.request("close", {"uri": uri})
+
+
+def test_typing_along_the_ghost_text_gives_plain_decodings_lines_on_qwen(client):
+    """Each keystroke that types the ghost text's next character: ``auto`` (its first
+    forward a lead step where the prompt is cached but its last token, the draft the last
+    completion there, verified under token healing) gives the line ``off`` gives at the
+    same spot, on the real model's int8 products."""
+    head = "import os\n\n\ndef list_python_files(folder):\n    names = []\n    for name in os.l"
+    tail = "\n    return names\n"
+    uri = _open(client, head + tail)
+    leads, texts = 0, []
+    try:
+        line, col = 5, len("    for name in os.l")
+        for version in range(1, 7):
+            pos = {"line": line, "character": col}
+            auto = client.request("complete", {"uri": uri, "position": pos,
+                                               "speculation": "auto"})  # fmt: skip
+            off = client.request("complete", {"uri": uri, "position": pos, "speculation": "off"})
+            assert auto["text"] == off["text"], (version, auto["stats"], off["stats"])
+            leads += auto["stats"]["lead_steps"]
+            texts.append(auto["text"])
+            ch = auto["text"][:1] or "x"
+            client.request("change", {"uri": uri, "version": version, "changes": [
+                {"range": {"start": pos, "end": pos}, "text": ch}]})  # fmt: skip
+            col += 1
+    finally:
+        client.request("close", {"uri": uri})
+    assert leads >= 3  # most keystrokes found their prompt cached but its last token
+    assert sum(len(t) > 3 for t in texts) >= 3, texts  # lines, not empty answers
