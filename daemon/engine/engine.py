@@ -167,11 +167,12 @@ class Engine(ModelTarget):
         common = self._reuse(prompt, taps)
         return self._feed(prompt, common, taps), common
 
-    def _reuse(self, prompt: list[int], taps: tuple[int, ...]) -> int:
-        """Make the cache slot sharing most with ``prompt`` the active one and cut it to
-        the prompt's reusable prefix (never the whole prompt): how many tokens it keeps."""
+    def _reuse(self, prompt: list[int], taps: tuple[int, ...], run: bool = False) -> int:
+        """Make the cache slot sharing most with ``prompt`` the active one (``run``: the
+        file run it is, :meth:`warm`) and cut it to the prompt's reusable prefix (never the
+        whole prompt): how many tokens it keeps. ``taps`` become :attr:`warm_taps`."""
         self.warm_taps = taps
-        self.slots.pick(prompt)
+        self.slots.pick(prompt, run=run)
         common = self.slots.reusable(prompt, taps)
         self.runner.truncate(common)
         return common
@@ -198,9 +199,7 @@ class Engine(ModelTarget):
         ``run``, ``prompt`` is a file run, kept in a slot requests copy from instead of
         writing into (:mod:`~codespec.daemon.engine.slots`)."""
         taps = self.warm_taps
-        self.slots.pick(prompt, run=run)
-        common = self.slots.reusable(prompt, taps)
-        self.runner.truncate(common)
+        common = self._reuse(prompt, taps, run=run)
         self.slots.record_prompt(prompt[:common], common, None)  # even if nothing is fed
         pos, end = common, len(prompt) - 1
         while pos < end and not yield_to():

@@ -823,20 +823,24 @@ struct SpinPolicy {
   int64_t cold_ns = -1;
   static constexpr int64_t COLD_SPIN_NS = 2'000'000;  // COLD_SPIN_US
 
+  std::atomic<int64_t> colds{0};  // cold forwards so far (cs_lean_spin_colds)
+
   static int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch())
         .count();
   }
-  std::atomic<int64_t> colds{0};  // cold forwards so far (cs_lean_spin_colds)
+  // The microseconds the environment variable `name` gives (else `fallback`), in ns;
+  // 0 for none or less.
+  static int64_t env_us_ns(const char* name, double fallback) {
+    const char* e = std::getenv(name);
+    const double us = e ? std::atof(e) : fallback;
+    return us > 0 ? static_cast<int64_t>(us * 1000.0) : 0;
+  }
 
   // Whether a forward starting now comes after an idle spell (see above).
   bool cold() {
-    if (cold_ns < 0) {
-      const char* e = std::getenv("CODESPEC_SPIN_COLD_US");
-      const double us = e ? std::atof(e) : 5000.0;
-      cold_ns = us > 0 ? static_cast<int64_t>(us * 1000.0) : 0;
-    }
+    if (cold_ns < 0) cold_ns = env_us_ns("CODESPEC_SPIN_COLD_US", 5000.0);
     const int64_t last = last_end_ns.load();
     return cold_ns > 0 && last > 0 && now_ns() - last > cold_ns;
   }
@@ -859,11 +863,7 @@ struct SpinPolicy {
     return T <= 1 ? 0 : T <= 16 ? (rows ? 2 : 1) : T <= 64 ? 3 : 4;
   }
   int64_t spin_for_next(int64_t T, bool rows) {
-    if (spin_ns < 0) {
-      const char* e = std::getenv("CODESPEC_SPIN_US");
-      const double us = e ? std::atof(e) : 50.0;
-      spin_ns = us > 0 ? static_cast<int64_t>(us * 1000.0) : 0;
-    }
+    if (spin_ns < 0) spin_ns = env_us_ns("CODESPEC_SPIN_US", 50.0);
     const State& s = size[size_of(T, rows)];
     // A longer forward's steps are longer, and so are the waits its threads' uneven
     // shares leave at a barrier: the spin grows with the tokens (x1 up to 4, x16 from 64).
