@@ -146,16 +146,20 @@ def test_the_daemon_warms_a_files_runs_and_a_far_spot_refeeds_little(engine, tmp
 
 def test_warm_ups_go_by_rank_over_the_documents_and_runs_wait_for_idleness():
     """Each document's prompt, then each one's nearest run, before any farther run (the
-    newest document first on a tie); a run waits until the engine has been idle
-    ``RUN_IDLE_S``, a prompt does not; a newer put replaces a document's queue."""
-    from codespec.daemon.service.warmups import RUN_IDLE_S, WarmQueue
+    newest document first on a tie); a prompt waits until the engine has been idle
+    ``PROMPT_IDLE_S`` (a keystroke's completion in another document must not queue
+    behind it), a run ``RUN_IDLE_S``; a newer put replaces a document's queue."""
+    from codespec.daemon.service.warmups import PROMPT_IDLE_S, RUN_IDLE_S, WarmQueue
 
+    assert 0.15 < PROMPT_IDLE_S < RUN_IDLE_S  # typing leaves ~0.1 s between completions
     q = WarmQueue()
     q.put("a", [1], [[11], [12], [13]])
     q.put("b", [2], [[21]])
     assert len(q) == 6
-    assert q.take(0.0) == (([2], False), 0.0)  # b is newer
-    assert q.take(0.0) == (([1], False), 0.0)
+    job, wait = q.take(0.1)  # a prompt, the engine busy 0.1 s ago: typing elsewhere
+    assert job is None and wait == pytest.approx(PROMPT_IDLE_S - 0.1)
+    assert q.take(PROMPT_IDLE_S) == (([2], False), 0.0)  # b is newer
+    assert q.take(PROMPT_IDLE_S) == (([1], False), 0.0)
     job, wait = q.take(0.1)  # a run, the engine busy 0.1 s ago
     assert job is None and wait == pytest.approx(RUN_IDLE_S - 0.1)
     order = [q.take(RUN_IDLE_S)[0][0] for _ in range(4)]

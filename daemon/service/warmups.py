@@ -2,9 +2,9 @@
 edit would use, then the document's file runs
 (:class:`~codespec.daemon.engine.slots.CacheSlots`).
 
-Owns :class:`WarmQueue` and when a warm-up may start: a prompt at once, a run only after
-the engine has been idle :data:`RUN_IDLE_S`. Not thread-safe: the scheduler calls it
-under its own lock. Must not touch: the engine, requests, documents.
+Owns :class:`WarmQueue` and when a warm-up may start: a prompt once the engine has been
+idle :data:`PROMPT_IDLE_S`, a run only after :data:`RUN_IDLE_S`. Not thread-safe: the
+scheduler calls it under its own lock. Must not touch: the engine, requests, documents.
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ RUN_CHUNK = WARM_CHUNK // 2  # a file run's: the user may come back from a pause
 # A file run is warmed only after the engine has had no request for this long, so typing
 # (a keystroke every ~150 ms, each asking for a completion) never waits for one.
 RUN_IDLE_S = 0.5
+# A prompt's warm-up waits for this much idle: a pause in one document queues its prompt
+# while the user may be typing in another, and a keystroke's completion that came in behind
+# one of its chunks waited up to a chunk's forward (60-80 ms on the 0.5B). Typing leaves the
+# engine idle ~100 ms between completions; a pause that queues the prompt (``warm_after_s``)
+# leaves it idle longer than this.
+PROMPT_IDLE_S = 0.25
 
 Warmup = tuple[list[int], bool]  # the ids, whether a file run
 
@@ -41,14 +47,16 @@ class WarmQueue:
     def take(self, idle_s: float) -> tuple[Warmup | None, float]:
         """The next warm-up and 0.0: of the lowest rank over the documents (each open
         document's nearest runs before any one's farther ones), the newest document's
-        on a tie; or, where that is a run and the engine has been idle ``idle_s`` <
-        :data:`RUN_IDLE_S`, None and the seconds left (None and 0.0: nothing queued)."""
+        on a tie; or, where the engine has been idle ``idle_s`` less than that one needs
+        (:data:`RUN_IDLE_S` for a run, :data:`PROMPT_IDLE_S` for a prompt), None and the
+        seconds left (None and 0.0: nothing queued)."""
         if not self._jobs:
             return None, 0.0
         uri = min(reversed(self._jobs), key=lambda u: self._jobs[u][0][0])
         jobs = self._jobs[uri]
-        if jobs[0][1][1] and idle_s < RUN_IDLE_S:
-            return None, RUN_IDLE_S - idle_s
+        need = RUN_IDLE_S if jobs[0][1][1] else PROMPT_IDLE_S
+        if idle_s < need:
+            return None, need - idle_s
         _, job = jobs.pop(0)
         if not jobs:
             del self._jobs[uri]
