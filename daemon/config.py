@@ -39,7 +39,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     context = "none"          # none | header | crossfile (what precedes the prefix)
     warm_after_s = 0.4        # a typing pause after which the prompt at the cursor is pre-filled
     suffix_tokens = 128       # the most suffix tokens a FIM prompt carries
-    middle = "line"           # line | cursor: where a FIM prompt's middle starts
+    middle = "block"          # block | line | cursor: where a FIM prompt's middle starts
 
     [workspace]
     max_file_bytes = 1000000
@@ -163,11 +163,12 @@ class Completion(_Section):
     # line's start the 0.5B's first line was exact 14.7% / 20.0% / 24.0% of the time with
     # 64 / 128 / 256 (codespec bench quality --suffix-tokens; BENCHMARKS.md).
     suffix_tokens: Annotated[int, Meta(ge=0, le=4096)] = 128
-    # Where a FIM model's middle starts: "line" (the start of the cursor's line: its text
-    # left of the cursor follows <|fim_middle|>, so typing on a line only appends to the
-    # prompt) or "cursor" (the prefix ends at the cursor, and every keystroke re-feeds
-    # the suffix after it).
-    middle: Literal["line", "cursor"] = "line"
+    # Where a FIM model's middle starts: "block" (4 to 7 lines above the cursor's, on a
+    # grid of 4: typing on a line and Enter at its end, but one time in four, only append
+    # to the prompt), "line" (the start of the cursor's line: its text left of the cursor
+    # follows <|fim_middle|>, so typing on a line only appends to the prompt) or "cursor"
+    # (the prefix ends at the cursor, and every keystroke re-feeds the suffix after it).
+    middle: Literal["block", "line", "cursor"] = "block"
 
 
 class Workspace(_Section):

@@ -199,3 +199,48 @@ def test_the_suffix_holds_at_most_suffix_tokens_from_its_start(qwen_tiny):
     longer = prepared(qwen_tiny, "none", text=text, suffix_tokens=64).prompt_ids
     assert len(longer) > len(ids)
     assert load_config(None, {"completion": {"suffix_tokens": 256}}).completion.suffix_tokens == 256
+
+
+BODY = "def run(items):\n" + "".join(f"    step_{i} = items[{i}] + {i}\n" for i in range(14))
+
+
+def test_a_block_middle_starts_on_the_grid_and_holds_four_to_seven_lines(qwen_tiny):
+    """``middle = "block"`` (the default): the prefix ends at the start of the line 4 to
+    7 lines above the cursor's (on a grid of 4; the second line near the top), and those
+    lines and the cursor line's head follow ``<|fim_middle|>``, the last token healed."""
+    assert completion.CompleteRequest(offset=0, max_tokens=1, multiline=False,
+                                      context_tokens=64).middle == "block"  # fmt: skip
+    lines = BODY.splitlines(keepends=True)
+    for n, first in [(2, 1), (5, 1), (8, 4), (11, 4), (12, 8)]:
+        line_start = sum(map(len, lines[:n]))
+        cursor = line_start + len("    step_")
+        start = sum(map(len, lines[:first]))
+        prep = prepared(qwen_tiny, "none", text=BODY, cursor=cursor, middle="block",
+                        suffix_tokens=512)  # the whole text after the cursor  # fmt: skip
+        layout = f"<|fim_prefix|>{BODY[:start]}<|fim_suffix|>{BODY[cursor:]}<|fim_middle|>"
+        head = ids_of(qwen_tiny, BODY[start:cursor])
+        assert prep.prompt_ids == ids_of(qwen_tiny, layout) + head[:-1], n
+        assert BODY[start:cursor].endswith(qwen_tiny.tokenizer.decode(head[-1:]))
+
+
+def test_enter_at_a_line_end_appends_to_a_block_prompt_three_times_in_four(qwen_tiny):
+    """Enter at the end of line ``n`` (the text after the cursor does not change): with a
+    ``block`` middle the new prompt keeps the old one but its last token or two, unless
+    the new line starts a block (every 4th); with a ``line`` middle the prefix grows by
+    the line and everything after it is fed again."""
+    lines = BODY.splitlines(keepends=True)
+    appended = []
+    for n in range(4, 13):
+        end = sum(map(len, lines[: n + 1])) - 1  # the end of line n, before its break
+        entered = BODY[:end] + "\n    " + BODY[end:]
+        for middle in ("block", "line"):
+            before = prepared(qwen_tiny, "none", text=BODY, cursor=end, middle=middle)
+            after = prepared(qwen_tiny, "none", text=entered, cursor=end + 5, middle=middle)
+            b, a = before.prompt_ids, after.prompt_ids
+            pairs = enumerate(zip(b, a, strict=False))
+            common = next((i for i, (x, y) in pairs if x != y), len(b))
+            if middle == "block":
+                appended.append((n + 1, len(b) - common <= 2))
+            else:
+                assert common <= b.index(FIM_SUFFIX), n  # the suffix is fed again
+    assert appended == [(m, m % 4 != 0) for m in range(5, 14)]

@@ -79,7 +79,7 @@ class Runner:
         self.engine = engine
         self.speculation = speculation
         self.context_tokens = context_tokens
-        self.middle = "line"  # where a FIM prompt's middle starts (prompts.completion.MIDDLES)
+        self.middle = Completion().middle  # where a FIM prompt's middle starts (MIDDLES)
         self.suffix_tokens = Completion().suffix_tokens  # a FIM prompt's most suffix tokens
         self.snippets = SnippetCache()
         self.scheduler = Scheduler(engine, None, Speculation(), max_queue=4)
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculation", default="auto", help="decoding method (output is the same)")
     p.add_argument("--context", type=int, default=Limits().context_tokens,
                    help="prompt tokens at most (default: the daemon's)")  # fmt: skip
-    p.add_argument("--middles", default="line", help="of line, cursor (FIM models)")
+    p.add_argument("--middles", default=Completion().middle,
+                   help="of block, line, cursor (FIM models; default: the daemon's)")  # fmt: skip
     p.add_argument("--suffix-tokens", type=int, default=Completion().suffix_tokens,
                    help="a FIM prompt's most suffix tokens (default: the daemon's)")  # fmt: skip
     p.add_argument("--at", default="start", choices=AT,

@@ -47,6 +47,8 @@ from codespec.daemon.text.protocols import TextModel
 from codespec.daemon.text.tracker import TextTracker
 
 LINE_HEAD_CHARS = 512  # the most line text a FIM middle starts with (more: it starts at the cursor)
+# a "block" middle's lines before the cursor's, at least; and its grid (block_start)
+BLOCK_LINES = 4
 TOP_TOKENS = 32  # fewer prefix tokens: the top of a file (complete_prompt's top_uri)
 FILE_SEP = "<file_sep>"  # StarCoder-style repository layout (SmolLM2's tokenizer has it)
 MARKDOWN = ("markdown", "mdx", "quarto", "rmd")
@@ -103,7 +105,7 @@ def complete_prompt(
     snippets: list[crossfile.Snippet] | None = None,
     heal: bool = True,
     top_uri: str = "",
-    middle: str = "line",
+    middle: str = "block",
     suffix_tokens: int = SUFFIX_TOKENS,
 ) -> CompletionPrompt:
     """The prompt for a completion at ``offset`` of ``text``; a blank ``text`` gives an
@@ -180,13 +182,42 @@ def _anchored_prefix(
 def _middle_head(engine: TextModel, text: str, line_start: int, offset: int, middle: str) -> str:
     """The text a FIM prompt's middle starts with: with ``middle = "line"``, the cursor
     line's text left of the cursor (the prefix then stops at the line's start, so the
-    prompt only grows while the user types on the line). Nothing for a model without FIM
-    tokens, with ``middle = "cursor"``, on a file's first line (an empty prefix would leave
-    the model no cue to the language) or after more than :data:`LINE_HEAD_CHARS`.
+    prompt only grows while the user types on the line); with ``"block"``, that and the
+    lines before it from :func:`block_start`'s. Nothing for a model without FIM tokens,
+    with ``middle = "cursor"``, on a file's first line (an empty prefix would leave the
+    model no cue to the language) or after more than :data:`LINE_HEAD_CHARS`.
     """
-    if engine.fim is None or middle != "line" or line_start == 0:
+    if engine.fim is None or middle == "cursor" or line_start == 0:
         return ""
+    if middle == "block":
+        return text[block_start(text, line_start, offset) : offset]
     return text[line_start:offset] if offset - line_start <= LINE_HEAD_CHARS else ""
+
+
+def block_start(text: str, line_start: int, offset: int) -> int:
+    """Where a ``block`` middle starts for a cursor at ``offset`` on the line starting at
+    ``line_start``: at least :data:`BLOCK_LINES` lines above the cursor's (fewer near the
+    top of the file: never on the first line, which would leave the prefix empty), on a
+    grid of :data:`BLOCK_LINES` lines, so Enter at a line's end appends to the prompt
+    three times in four (the text after the cursor stays the same; with a ``line``
+    middle the prefix grows by the line and the whole suffix is fed again). Later line
+    starts where the block's text holds more than :data:`LINE_HEAD_CHARS` characters;
+    ``offset`` itself where even the cursor's line does.
+
+    >>> text = "".join(f"l{i}\\n" for i in range(12))
+    >>> [text[block_start(text, text.index(f"l{n}"), text.index(f"l{n}")):].split()[0]
+    ...  for n in (1, 4, 7, 8, 11)]
+    ['l1', 'l1', 'l1', 'l4', 'l4']
+    """
+    n = text.count("\n", 0, line_start)
+    first = max(1, (n - BLOCK_LINES) // BLOCK_LINES * BLOCK_LINES) if n else 0
+    start = line_start
+    for _ in range(n - first):
+        above = text.rfind("\n", 0, start - 1) + 1
+        if offset - above > LINE_HEAD_CHARS:
+            break
+        start = above
+    return start if offset - start <= LINE_HEAD_CHARS else offset
 
 
 def prefix_chars(
@@ -321,11 +352,13 @@ def repo_paths(uri: str, others: list[str]) -> tuple[str, str, list[str]]:
 
 
 CONTEXTS = ("none", "header", "crossfile")
-# where a FIM prompt's middle starts: "line", at the start of the cursor's line (its text
+# where a FIM prompt's middle starts: "block", 4 to 7 lines above the cursor's
+# (block_start: the prompt only grows while the user types on the line or presses Enter
+# at its end, but one time in four); "line", at the start of the cursor's line (its text
 # left of the cursor follows <|fim_middle|>, healed; the prompt only grows while the user
-# types on the line), or "cursor" (the prefix ends at the cursor; every keystroke
+# types on the line); or "cursor" (the prefix ends at the cursor; every keystroke
 # re-feeds the suffix)
-MIDDLES = ("line", "cursor")
+MIDDLES = ("block", "line", "cursor")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,7 +381,7 @@ class CompleteRequest:
     context_tokens: int
     context: str = "none"
     stop: tuple[str, ...] = ()
-    middle: str = "line"
+    middle: str = "block"
     suffix_tokens: int = SUFFIX_TOKENS
 
 
