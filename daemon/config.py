@@ -23,7 +23,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     max_tokens = 1024         # the most tokens one request may ask for
     max_documents = 512       # open documents before `overloaded`
     max_document_chars = 4000000
-    context_tokens = 1536     # prompt tokens a completion carries at most
+    context_tokens = 512      # prompt tokens a completion carries at most
     kv_slots = 8              # KV caches kept for recent prompts (23 KB a token on SmolLM2)
     run_tokens = 6144         # file runs' tokens kept (12 KB a token on the 0.5B; 0: none)
 
@@ -92,11 +92,12 @@ class Limits(_Section):
     max_documents: AtLeast1 = 512
     max_document_chars: AtLeast1 = 4_000_000
     # Prompt tokens a completion carries at most (prefix + suffix). The prefix starts at
-    # an anchor (prompts.parts.anchors), so it holds a third to all of its room: ~900
-    # tokens of prompt on average at 1,536, what a 1,024-token window held before anchors
-    # (bench quality at the line's start 20.0% either way, half-way into it 44.0% against
-    # 40.0%; at 1,024 with anchors 17.3% / 36.0%).
-    context_tokens: Annotated[int, Meta(ge=64)] = 1536
+    # an anchor (prompts.parts.anchors), so it holds a third to all of its room. On the
+    # 0.5B with the block middle, first lines exact over 151 held-out points at 512 and at
+    # 1,536 tokens: 51 against 49 at a line's start, 70 against 73 half-way into it
+    # (BENCHMARKS.md), while a cold prompt (a jump, an open) feeds a third as many tokens:
+    # bench latency jump p50 830 against 2,076 ms, open 730 against 2,402.
+    context_tokens: Annotated[int, Meta(ge=64)] = 512
     # KV caches the engine keeps, one per recent prompt (the active one and idle ones), so
     # that requests on other documents do not evict each other's prefixes. A cache's
     # memory is what its cached tokens fill (23 KB a token for SmolLM2-135M; the

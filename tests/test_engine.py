@@ -269,6 +269,26 @@ def test_a_warm_up_stopped_at_once_leaves_the_cache_usable(engine):
     assert warm == cold and stats.cached_tokens == 3
 
 
+def test_a_prompt_sharing_under_half_a_slot_starts_from_a_copy_of_it(engine):
+    """A prompt that shares less than half of every slot (a prompt of a 512-token context
+    after Enter moved its block: the prefix up to the old block start, ~130 of ~340
+    tokens) starts from a copy of the longest shared prefix, and the slot it was copied
+    from stays whole (it started from an empty slot: every token fed again)."""
+    a = engine.encode("import json\n\n\ndef load(path):\n    with open(path) as fh:\n" * 12)
+    b = a[:100] + engine.encode("class Stack:\n    def __init__(self):\n        x = []\n" * 8)
+    assert min(256, len(a) // 2) > 100  # under half of a's slot: that slot is not cut
+    engine.reset_cache()
+    cold_b, _ = run(engine, b, max_tokens=6)
+    engine.reset_cache()
+    cold_a, _ = run(engine, a, max_tokens=6)
+    forks = engine.slots.forks
+    warm_b, stats_b = run(engine, b, max_tokens=6)
+    assert (warm_b, stats_b.cached_tokens, engine.slots.forks) == (cold_b, 100, forks + 1)
+    again, stats_a = run(engine, a, max_tokens=6)
+    assert again == cold_a and stats_a.cached_tokens == len(a) - 1
+    engine.reset_cache()
+
+
 def test_single_slot_engine_refeeds(engine):
     """With one slot the second document evicts the first (the control for the test above)."""
     slots = engine.slots.max_slots

@@ -244,3 +244,32 @@ def test_enter_at_a_line_end_appends_to_a_block_prompt_three_times_in_four(qwen_
             else:
                 assert common <= b.index(FIM_SUFFIX), n  # the suffix is fed again
     assert appended == [(m, m % 4 != 0) for m in range(5, 14)]
+
+
+def test_at_a_small_budget_typing_and_enter_keep_the_suffix(qwen_tiny):
+    """At a 512-token budget the suffix's most tokens (a quarter of it) do not follow the
+    block middle, which grows with every keystroke: each keystroke of a line, and Enter at
+    its end, keeps the prompt but its last token or two (the suffix was cut by one token
+    every few keystrokes, and the suffix and middle fed again)."""
+    body = "".join(f"def f_{i}(values):\n    return [v * {i} for v in values]\n\n"
+                   for i in range(60))  # fmt: skip
+    at = body.index("def f_30")
+    typed = "def fresh(values, scale):"
+    texts = [(body[:at] + typed[:n] + "\n" + body[at:], at + n) for n in range(len(typed) + 1)]
+    end = at + len(typed)
+    texts.append((body[:at] + typed + "\n    " + "\n" + body[at:], end + 5))  # Enter
+    store = DocumentStore()
+    prompts = []
+    for text, cursor in texts:
+        doc = store.open("file:///home/u/long.py", text, 1, "python")
+        req = completion.CompleteRequest(offset=cursor, max_tokens=16, multiline=False,
+                                         context_tokens=512)  # fmt: skip
+        ids = completion.prepare_complete(qwen_tiny, store, SnippetCache(), doc, req).prompt_ids
+        assert len(ids) <= 512 and ids.count(FIM_SUFFIX) == 1
+        prompts.append(ids)
+    suffixes = {len(p[p.index(FIM_SUFFIX) : p.index(FIM_MIDDLE)]) for p in prompts}
+    assert len(suffixes) == 1 and 64 < suffixes.pop() <= 128
+    for before, after in itertools.pairwise(prompts):
+        pairs = enumerate(zip(before, after, strict=False))
+        common = next((i for i, (a, b) in pairs if a != b), len(before))
+        assert len(before) - common <= 2, (before[common - 3 :], after[common - 3 :])

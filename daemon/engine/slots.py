@@ -7,8 +7,9 @@ taps recorded per cached position (EAGLE reads the prompt's), and the choice of 
 for a prompt. Must not touch: sampling, proposers, text.
 
 A slot fits a prompt when reusing it drops at most half of what it holds (or it
-shares 256 tokens or more). When none fits, the prompt gets a fresh slot while there
-is room, else the least recently used idle one.
+shares 256 tokens or more). When none fits, the prompt gets a new slot (while there is
+room, else in place of the least recently used idle one) holding a copy of the longest
+prefix of it any slot holds (``runner.copy_cache``), so the slot it came from stays whole.
 
 Runs: a warm-up may ask for a pinned slot (``pick(prompt, run=True)``), a long stretch
 of a file from a fixed start that many prompts begin with (the prompts' prefixes start
@@ -116,8 +117,8 @@ class CacheSlots:
             n = shared_prefix(slot.cached_ids, prompt)
             if slot.pinned or _fits(slot.cached_ids, n):
                 options.append((n - RUN_SLACK if slot.pinned else n, slot, n))
-        if not options:
-            self._fork(None, 0, pinned=False)  # a fresh slot; the active one is parked
+        if not options:  # none worth cutting: a new slot from a copy of the longest prefix
+            self._fork(*self._donor(prompt), pinned=False)  # (the active one is parked)
             return
         _, slot, n = max(options, key=lambda o: o[0])  # the first of equals: the active
         if self.pinned if slot is None else slot.pinned:
@@ -144,12 +145,17 @@ class CacheSlots:
         runs = sorted((sl for sl in self.idle if sl.pinned), key=lambda sl: sl.used)
         while runs and self.run_tokens + len(prompt) > self.max_run_tokens:
             self.idle.remove(runs.pop(0))
-        donor, n = None, shared_prefix(self.cached_ids, prompt)
+        self._fork(*self._donor(prompt), pinned=True)
+
+    def _donor(self, prompt: list[int]) -> tuple[_Slot | None, int]:
+        """The slot holding the longest prefix of ``prompt`` (None: the active one) and
+        that prefix's length, for a new slot to start from a copy of it."""
+        donor, n = None, min(shared_prefix(self.cached_ids, prompt), self.runner.length)
         for slot in self.idle:
             m = shared_prefix(slot.cached_ids, prompt)
             if m > n:
                 donor, n = slot, m
-        self._fork(donor, n, pinned=True)
+        return donor, n
 
     def _fork(self, src: _Slot | None, n: int, pinned: bool) -> None:
         """Park the active cache and activate a new one (a run where ``pinned``) holding

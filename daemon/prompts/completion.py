@@ -322,9 +322,15 @@ def _fim_complete(
         head, n = fim.repo_head(engine.fim, engine.encode, repo, files, path, budget // 3)
         used = snippets[:n]
     room = budget - len(head) - len(middle_ids)
-    # the kept suffix tokens (at most suffix_tokens) come from its first characters
+    # the kept suffix tokens (at most suffix_tokens) come from its first characters; their
+    # most, a quarter of the budget, does not follow the middle, which grows as the user
+    # types (it did: at 512 tokens each few keystrokes cut the suffix by one, and the
+    # suffix and middle were fed again), unless the prefix from its anchor would not fit
+    # then (dense text): a quarter of the room the middle leaves, as before
     suffix_ids = engine.encode(after[: suffix_tokens * CHARS_PER_TOKEN_CAP])
-    suf_room = min(len(suffix_ids), suffix_tokens, (room - 3) // 4)
+    suf_room = min(len(suffix_ids), suffix_tokens, (budget - len(head) - 3) // 4)
+    if len(fit(budget)) > room - 3 - suf_room:
+        suf_room = min(len(suffix_ids), suffix_tokens, (room - 3) // 4)
     pre = fit(room - 3 - suf_room)
     ids = head + fim.fim_prompt(engine.fim, pre, suffix_ids[:suf_room], room) + middle_ids
     return ids, used, len(head) + 1, len(pre)
