@@ -272,6 +272,18 @@ def test_warming_prefills_while_idle_and_yields_to_requests(engine, scheduler):
     assert scheduler.warmed_tokens == before  # nothing fed: the request went first
 
 
+def test_a_request_interrupts_the_warm_up_in_flight(engine):
+    """A request's submit sets the engine's interrupt: a warm-up's forward in flight stops
+    after its layer (test_engine: what that leaves cached), so the request waits for one
+    layer, not the warm-up's whole chunk."""
+    s = Scheduler(engine, None, Speculation(), 8)  # not started: no warm-up clears the flag
+    flag = engine.runner.interrupt
+    flag.clear()
+    s.submit(Job(engine.encode("x = 1\n"), GenParams(max_tokens=2), "off"))
+    assert flag.is_set()
+    flag.clear()
+
+
 def test_the_daemon_warms_the_prompt_after_open_and_after_a_pause(engine, tmp_path):
     """After an open (at the document's end) and after a typing pause (at the last edit),
     the daemon pre-fills the completion's prompt, so the completion re-feeds ~1 token."""

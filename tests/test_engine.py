@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codespec.daemon.engine.engine import Engine, GenParams, ModelLoadError
+from codespec.daemon.engine.engine import STOPPABLE_CHUNK, Engine, GenParams, ModelLoadError
 from codespec.daemon.text.tracker import TextTracker
 from conftest import heldout_prompts
 from helpers import ScriptedProposer
@@ -267,6 +267,39 @@ def test_a_warm_up_stopped_at_once_leaves_the_cache_usable(engine):
         engine.slots.max_slots = slots
         engine.reset_cache()
     assert warm == cold and stats.cached_tokens == 3
+
+
+def test_a_request_interrupts_a_warm_ups_forward_and_finds_what_was_fed(engine):
+    """``interrupt()`` (the scheduler calls it as a request queues) stops a warm-up's
+    forward between its layers: the chunk in flight is dropped, the chunks before it stay
+    cached, and a request after it gives the output of a cold one. Here the request
+    "arrives" while the third chunk is about to run (the flag set after ``warm`` cleared
+    it, as a submit right after its check would). Such a runner feeds ``STOPPABLE_CHUNK``
+    tokens a forward where the caller asks for less."""
+    assert engine.runner.interrupt is not None  # the suite's model runs on the lean stack
+    step = STOPPABLE_CHUNK
+    a = engine.encode("import json\n\n\ndef load(path):\n    with open(path) as fh:\n" * 200)
+    a = a[: 3 * step + 5]
+    asks = []
+
+    def request_arrives() -> bool:
+        asks.append(1)
+        if len(asks) == 3:
+            engine.interrupt()
+        return False
+
+    engine.reset_cache()
+    cold, _ = run(engine, a, max_tokens=8)
+    engine.reset_cache()
+    fed = 2 * step  # two chunks fed, the third dropped
+    assert engine.warm(a, request_arrives, chunk=8) == fed
+    assert len(asks) == 3 and engine.cached_tokens(a) == fed
+    warm, stats = run(engine, a, max_tokens=8)
+    assert warm == cold and stats.cached_tokens == fed
+    engine.interrupt()  # a flag left set stops no request's forward, nor the next warm-up
+    assert run(engine, a, max_tokens=8)[0] == cold
+    assert engine.warm(a + a, lambda: False, chunk=8) == 2 * len(a) - 1
+    engine.reset_cache()
 
 
 def test_a_prompt_sharing_under_half_a_slot_starts_from_a_copy_of_it(engine):

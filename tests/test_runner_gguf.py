@@ -1001,3 +1001,44 @@ def test_a_kv_cache_costs_the_memory_its_tokens_fill():
     assert kv[:, : per_layer // 64].eq(1.0).all()
     assert not kv[:, per_layer // 64 : per_layer // 32].any()  # the rest reads as zeros
     assert _rss_mb() - before < 20
+
+
+@pytest.mark.parametrize("path", ["panels", "rows", "one thread", "per product", "exact"])
+def test_an_interrupted_forward_leaves_the_cache_as_it_was(
+    model_file: Path, path: str, monkeypatch
+) -> None:
+    """A warm-up's forward (``forward_unless_interrupted``) whose interrupt flag is set
+    stops between layers on every path of the stack (one region by panels or by rows, one
+    thread, a region per product, the exact products): None, the length as it was, and
+    after it the same forward and the steps after give the logits of a runner never
+    interrupted, bit for bit (what it wrote past the cache is never read). Unset, it is a
+    ``last_only`` forward."""
+    lib = quant_gemm.library()
+    assert lib is not None
+    if path == "per product":
+        monkeypatch.setenv("CODESPEC_LEAN_REGIONS", "per-product")
+    int8 = path != "exact"
+    ref = LeanRunner.from_gguf(model_file, max_length=96, int8=int8)
+    runner = LeanRunner.from_gguf(model_file, max_length=96, int8=int8)
+    v = ref.vocab_size
+    head, chunk, after = _ids(20, 21, v), _ids(16, 22, v), _ids(3, 23, v)
+    want = [ref.forward(head).logits, ref.forward(chunk, last_only=True).logits]
+    want.append(ref.forward(after).logits)
+    rows_from = lib.cs_lean_row_split(2 if path == "rows" else 0)
+    torch.set_num_threads(1 if path == "one thread" else 2)
+    try:
+        assert runner.interrupt is not None
+        got = [runner.forward(head).logits]
+        runner.interrupt.set()
+        for _ in range(2):
+            assert runner.forward_unless_interrupted(chunk) is None
+            assert runner.length == len(head)
+        runner.interrupt.clear()
+        out = runner.forward_unless_interrupted(chunk)
+        assert out is not None and runner.length == len(head) + len(chunk)
+        got += [out.logits, runner.forward(after).logits]
+    finally:
+        torch.set_num_threads(1)
+        lib.cs_lean_row_split(rows_from)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)

@@ -134,6 +134,9 @@ class RemoteEngine:
         """No warm-up: the server's prefix cache fills with the requests themselves."""
         return 0
 
+    def interrupt(self) -> None:
+        """Nothing to stop: no warm-up runs here."""
+
     # -- the server -----------------------------------------------------------------------
     def _served(self, timeout: float | None = None) -> list[dict[str, Any]]:
         data = self.client.get_json("/v1/models", timeout)

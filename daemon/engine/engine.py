@@ -74,6 +74,11 @@ __all__ = ["Constraint", "Engine", "GenParams", "ModelLoadError", "Stats", "Step
 # STOP_BELOW, where that saving and that cost break even (timed: BENCHMARKS.md).
 HEAD_FIRST_ROWS = 4
 STOP_BELOW = 0.65
+# A warm-up's tokens a forward where the runner's forward stops between layers (a request
+# behind it waits for a layer): the lean stack's best prefill rate on the CPU (0.5B, 2
+# threads, 200-1,400 cached: 16 / 32 / 64 / 128 / 256 tokens 283 / 362 / 398 / 419 / 398
+# tokens/s), and a layer of it ~12 ms.
+STOPPABLE_CHUNK = 128
 
 
 class Engine(ModelTarget):
@@ -193,21 +198,44 @@ class Engine(ModelTarget):
     ) -> int:
         """Prefill ``prompt`` but its last token into its cache slot ahead of a request,
         ``chunk`` tokens at a time, stopping early when ``yield_to()`` says a request
-        waits (what was fed stays cached). Returns the prompt tokens now cached. The
-        positions fed keep :attr:`warm_taps`, the taps the last request kept, so a request
-        like it reuses them (one with taps reuses only positions that have them). With
-        ``run``, ``prompt`` is a file run, kept in a slot requests copy from instead of
-        writing into (:mod:`~codespec.daemon.engine.slots`)."""
+        waits (what was fed stays cached). A runner whose forward stops part-way
+        (``interrupt``) feeds :data:`STOPPABLE_CHUNK` where larger (a faster rate) and stops
+        mid-chunk when :meth:`interrupt` is called (the chunk in flight is dropped).
+        Returns the prompt tokens now cached. The positions fed keep :attr:`warm_taps`,
+        the taps the last request kept, so a request like it reuses them (one with taps
+        reuses only positions that have them). With ``run``, ``prompt`` is a file run,
+        kept in a slot requests copy from instead of writing into
+        (:mod:`~codespec.daemon.engine.slots`)."""
         taps = self.warm_taps
         common = self._reuse(prompt, taps, run=run)
         self.slots.record_prompt(prompt[:common], common, None)  # even if nothing is fed
         pos, end = common, len(prompt) - 1
-        while pos < end and not yield_to():
+        flag = getattr(self.runner, "interrupt", None)
+        if flag is not None:  # a request waits for a layer, not the chunk
+            chunk = max(chunk, STOPPABLE_CHUNK)
+        while pos < end:
+            if flag is not None:
+                flag.clear()  # before yield_to: a request queued after it sets it again
+            if yield_to():
+                break
             n = min(chunk, end - pos)
-            out = self.runner.forward(prompt[pos : pos + n], taps=taps, last_only=True)
+            ids = prompt[pos : pos + n]
+            if flag is None:
+                out = self.runner.forward(ids, taps=taps, last_only=True)
+            else:
+                out = self.runner.forward_unless_interrupted(ids, taps)  # type: ignore[attr-defined]
+                if out is None:
+                    break  # a request came in: it waited for a layer, not the whole chunk
             self.slots.record_prompt(prompt[: pos + n], pos, out.hidden if taps else None)
             pos += n
         return pos
+
+    def interrupt(self) -> None:
+        """Stop a warm-up's forward in flight after its current layer (a request is
+        queued: :meth:`warm` returns at once); nothing when no forward can stop part-way."""
+        flag = getattr(self.runner, "interrupt", None)
+        if flag is not None:
+            flag.set()
 
     def verify_step(
         self,

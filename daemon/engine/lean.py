@@ -156,6 +156,7 @@ class LeanRunner:
             self.stack = qstack.Stack(cfg, specs, self.norm, embed, self.lm_head_t)
         except (RuntimeError, ValueError) as exc:
             self._stack_reason = str(exc)
+        self.interrupt = qstack.Interrupt() if self.stack else None  # (the runner contract)
 
     # -- construction --------------------------------------------------------------------
 
@@ -364,6 +365,28 @@ class LeanRunner:
             return None
         return qstack.argmax_rows(logits, isa=self._isa)
 
+    def _check(self, n: int, taps: tuple[int, ...]) -> None:
+        check_forward(n, self._len, self.max_length)
+        for t in taps:
+            if not 0 <= t <= self.num_layers:
+                raise ValueError(f"tap {t} outside 0..{self.num_layers}")
+
+    @torch.inference_mode()
+    def forward_unless_interrupted(
+        self, ids: list[int], taps: tuple[int, ...] = ()
+    ) -> ForwardOut | None:
+        """``forward(ids, taps=taps, last_only=True)`` that stops between layers once
+        :attr:`interrupt` is set: None then, the cache as it was (the runner contract)."""
+        if self.interrupt is None or len(ids) > self.chunk:
+            return self.forward(ids, taps=taps, last_only=True)
+        self._check(len(ids), taps)
+        try:
+            out = self._forward_chunk(ids, None, None, taps, "last", self.interrupt)
+        except qstack.Interrupted:
+            return None
+        self._pending = len(ids)
+        return out
+
     @torch.inference_mode()
     def forward(
         self,
@@ -374,10 +397,7 @@ class LeanRunner:
         greedy: bool = False,
     ) -> ForwardOut:
         n = len(ids)
-        check_forward(n, self._len, self.max_length)
-        for t in taps:
-            if not 0 <= t <= self.num_layers:
-                raise ValueError(f"tap {t} outside 0..{self.num_layers}")
+        self._check(n, taps)
         depth, anc = tree_layout(parents, n)
         start = self._len
         if anc is None and n > self.chunk:  # long chain: prefill in chunks
@@ -405,20 +425,23 @@ class LeanRunner:
         anc: torch.Tensor | None,
         taps: tuple[int, ...],
         rows: str = "all",
+        interrupt: qstack.Interrupt | None = None,
     ) -> ForwardOut:
         """Append ``ids`` (a chain when ``anc`` is None) after the cache; advance ``length``.
 
         ``rows``: which rows get logits, ``all``, ``last``, ``none`` or ``greedy`` (all,
         or the stack's stop where greedy verification's walk ends: see the runner
-        contract's ``greedy``).
+        contract's ``greedy``). ``interrupt`` (the stack's): raises
+        ``qstack.Interrupted``, the length unmoved, once set.
         """
         n, past = len(ids), self._len
         total = past + n
         if self.stack is not None:  # the whole stack in one C++ call
             pos = None if anc is None else [past + d for d in depth or []]
             first = {"all": 0, "greedy": 0, "last": n - 1, "none": n}[rows]
+            stop = rows == "greedy"
             logits, hidden, best = self.stack.forward(
-                self.kv, past, ids, pos, anc, taps, first, stop=rows == "greedy"
+                self.kv, past, ids, pos, anc, taps, first, stop=stop, interrupt=interrupt
             )
             self._len = total
             return ForwardOut(logits=logits, hidden=hidden, best=best)

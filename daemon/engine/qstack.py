@@ -5,8 +5,9 @@ Owns the ctypes descriptors of a model's weights (GGUF block matrices, ``cpu_gem
 panels, norms, RoPE tables), the KV cache layout the stack reads and writes (per layer:
 K as fp16 tiles ``(KV, S_max / 16, D, 16)``, then V as fp16 rows ``(KV, S_max, Dp)``,
 Dp = D rounded up to 16; with bf16 attention the same bytes hold bf16 in pairs, see
-``csrc/stack.cpp``; see :func:`cache`), and the two calls: :meth:`Stack.forward`
-and :meth:`Stack.keep`. It knows nothing about files, tokenizers or the cache verbs'
+``csrc/stack.cpp``; see :func:`cache`), the two calls: :meth:`Stack.forward`
+and :meth:`Stack.keep`, and the flag that stops a forward between layers
+(:class:`Interrupt`). It knows nothing about files, tokenizers or the cache verbs'
 bookkeeping (the runner keeps the length).
 
 Why one call: run from Python, a decode step of a 30-layer model makes over a dozen
@@ -62,7 +63,36 @@ class Fwd(ctypes.Structure):
     _fields_ = [(n, c_i64) for n in ("T", "past", "s_max", "first", "threads", "ntaps")]
     _fields_ += [("isa", c_i32), ("stop", c_i32)]
     _fields_ += [(n, c_ptr) for n in ("ids", "pos", "anc", "kv", "taps", "hidden", "logits")]
-    _fields_ += [("best", c_ptr)]
+    _fields_ += [("best", c_ptr), ("interrupt", c_ptr)]
+
+
+INTERRUPTED = -4  # cs_lean_forward's code for a forward stopped by its interrupt flag
+
+
+class Interrupt:
+    """A flag that stops a forward between layers (Fwd::interrupt): :meth:`set` from any
+    thread while a forward given it runs (a request came in behind a warm-up), and the
+    forward stops after the layer in progress, leaving the cache as it was before it."""
+
+    def __init__(self) -> None:
+        self._flag = ctypes.c_int32(0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def clear(self) -> None:
+        self._flag.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._flag)
+
+
+class Interrupted(RuntimeError):
+    """A forward stopped by its :class:`Interrupt` (nothing it computed is kept)."""
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -246,6 +276,7 @@ class Stack:
         threads: int | None = None,
         isa: str | None = None,
         stop: bool = False,
+        interrupt: Interrupt | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Append ``ids`` after ``past`` cached tokens of ``kv``; logits of rows ``first..``
         ``(T - first, V)``, the taps ``(T, len(taps), H)`` (None without taps) and each
@@ -253,7 +284,9 @@ class Stack:
         ``pos``: positions (default ``past .. past + T``); ``anc``: (T, T) bool, token t
         sees new token j (None: a chain). ``stop`` (a chain or tree verified greedily,
         ``first`` 0): the logits stop after the row where greedy verification's walk ends
-        (give or take the rest of its chunk of rows): only the rows computed come back."""
+        (give or take the rest of its chunk of rows): only the rows computed come back.
+        ``interrupt``: once set, the forward stops between layers and raises
+        :class:`Interrupted` (its rows' keys in ``kv`` are then not to be read)."""
         stop = bool(stop and first == 0 and len(ids) > 1)
         m, n = self.model, len(ids)
         ids_t = torch.tensor(ids, dtype=torch.int64)
@@ -281,8 +314,11 @@ class Stack:
             _ptr(hidden),
             logits.data_ptr() if n > first else None,
             ctypes.addressof(best) if n > first else None,
+            interrupt.address if interrupt is not None else None,
         )
         rc = self.lib.cs_lean_forward(ctypes.byref(m), ctypes.byref(f))
+        if rc == INTERRUPTED and interrupt is not None:
+            raise Interrupted("the forward was interrupted")
         if rc < 0 or (rc > 0 and not stop):
             raise RuntimeError(f"the decoder stack refused the forward (code {rc})")
         rows = rc if stop else n - first
@@ -306,4 +342,13 @@ class Stack:
         )
 
 
-__all__ = ["Stack", "cache", "cache_rows", "head_dim_padded", "is_matrix", "native_bf16"]
+__all__ = [
+    "Interrupt",
+    "Interrupted",
+    "Stack",
+    "cache",
+    "cache_rows",
+    "head_dim_padded",
+    "is_matrix",
+    "native_bf16",
+]

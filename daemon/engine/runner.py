@@ -41,6 +41,12 @@ The cache verbs, the contract every runner keeps:
                         ``state`` (which is left as it was): a request starts
                         from a file run's prefix without writing into the run.
 
+Optional, where a forward can stop part-way (the lean stack): ``interrupt``, a flag
+(``qstack.Interrupt``) any thread may set, and ``forward_unless_interrupted(ids, taps)``,
+a chain's ``forward(..., last_only=True)`` that returns None, the cache as it was, when
+the flag is set before its last layer. A warm-up's prefill runs so, and a request that
+comes in behind it waits for one layer instead of the whole chunk.
+
 Tree positions and masks are derived from the parent array by
 :func:`tree_layout`, shared by every runner so they agree by construction.
 """

@@ -223,6 +223,7 @@ class Scheduler:
             self._queue.append(job)
             self._last_busy = time.monotonic()
             self._cond.notify_all()
+        self.engine.interrupt()  # a warm-up's forward in flight stops after its layer
         return job.future
 
     def _active_locked(self) -> int:
@@ -321,12 +322,8 @@ class Scheduler:
     def _warm_up(self, prompt: list[int], run: bool) -> None:
         try:
             with self.engine.lock:
-                cached = self.engine.warm(
-                    prompt,
-                    lambda: bool(self._queue) or self._stopping,
-                    RUN_CHUNK if run else WARM_CHUNK,
-                    run=run,
-                )
+                cached = self.engine.warm(prompt, lambda: bool(self._queue) or self._stopping,
+                                          RUN_CHUNK if run else WARM_CHUNK, run=run)  # fmt: skip
         except Exception:  # a warm-up is a guess: never let it take the worker down
             log.exception("warming a prompt failed")
             self.engine.reset_cache()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# Tokens a warm-up feeds per forward: a request that arrives waits for the chunk in flight,
-# so chunks stay small (a few times larger, and a keystroke's completion waits noticeably).
+# Tokens a warm-up feeds per forward where a request that arrives waits for the chunk in
+# flight, so chunks stay small (a few times larger, and a keystroke's completion waits
+# noticeably). The lean stack's forwards stop between layers instead, and feed more
+# (``engine.STOPPABLE_CHUNK``).
 WARM_CHUNK = 32
 RUN_CHUNK = WARM_CHUNK // 2  # a file run's: the user may come back from a pause mid-chunk
 # A file run is warmed only after the engine has had no request for this long, so typing

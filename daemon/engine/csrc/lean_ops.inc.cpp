@@ -696,6 +696,7 @@ int forward(const Model& m, const Fwd& f) {
   if (!make_plan(m, f, plan)) return -2;
   b.part.resize(KV * T * (NH / KV) * plan.nchunk * (Dp + 2));
   for (int64_t l = 0; l < m.layers; ++l) {
+    if (l > 0 && interrupted(f)) return INTERRUPTED;
     const Layer& L = m.layer[l];
     uint16_t* kc = f.kv + l * KV * f.s_max * (D + Dp);  // (KV, S_max / 16, D, 16)
     uint16_t* vc = kc + KV * f.s_max * D;  // (KV, S_max, Dp)
@@ -795,6 +796,10 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
   std::atomic<int64_t> next{0}, done{0};
   std::atomic<int> rc{0};
   std::atomic<bool> broke{false};
+  // Fwd::interrupt seen: by panels thread 0 reads it before a layer's last barrier and
+  // every thread after it (all stop at the same layer); by rows each thread at its layers'
+  // starts (one that stops publishes every layer, so no later thread waits for its keys)
+  std::atomic<bool> quit{false};
   int64_t busy[2] = {0, 0};  // ns each of two threads spent in the products (by rows: working)
   Progress progress(threads);  // by rows: the layers each thread has stored keys for
   // Fwd::best / Fwd::stop: each row's argmax, from each thread's own columns of the head
@@ -860,6 +865,11 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       for (int64_t i = 0; i < ntask; ++i)
         if (plan.tasks[i % nt].t0 >= q0 && plan.tasks[i % nt].t0 < q1) mine.push_back(i);
       for (int64_t l = 0; l < m.layers; ++l) {
+        if (l > 0 && interrupted(f)) {
+          quit.store(true, std::memory_order_relaxed);
+          progress.publish(tid, static_cast<int>(m.layers));
+          break;
+        }
         const Layer& L = m.layer[l];
         uint16_t* kc = f.kv + l * KV * f.s_max * (D + Dp);
         uint16_t* vc = kc + KV * f.s_max * D;
@@ -946,11 +956,14 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
       cs_qgemm_i8_quantize(xq, b.act.data(), I, I, r0, r1, isa);
       bar.wait();
       mats(&L.down, 1, T, b.x.data(), H, b.x.data());
+      if (tid == 0 && l + 1 < m.layers && interrupted(f)) quit.store(true);
       bar.wait();
+      if (quit.load(std::memory_order_relaxed)) break;
       if (tid == 0) tap(m, f, l + 1, b.x.data());  // read-only on x, as the next norm
     }
     const int64_t rows = T - f.first;
-    if (rows > 0 && f.logits) {
+    // (by rows: every thread's quit stored before layers_by_rows's last barrier)
+    if (rows > 0 && f.logits && !quit.load(std::memory_order_relaxed)) {
       int64_t h0, h1, at = 0;  // at: greedy verification's walk (tid 0's, Fwd::stop)
       share(rows, h0, h1);
       rmsnorm(b.x.data() + (f.first + h0) * H, h1 - h0, H, H, m.norm, m.eps,
@@ -985,6 +998,7 @@ int forward_team(const Model& m, const Fwd& f, Barrier& bar) {
     }
     if (n == 2) busy[tid] = ns;
   }
+  if (quit.load()) return INTERRUPTED;  // its busy times are not a whole forward's
   const bool rows_used = !starts.empty() && bar.n == threads;  // as by_rows in the region
   if (threads == 2 && rows_used == rows_planned)
     split_after(split_of, rows_used ? share0 : split, busy[0], busy[1]);

@@ -264,7 +264,17 @@ struct Fwd {
   float* hidden;
   float* logits;
   int64_t* best;  // or null: each logit row's argmax (torch's choice), for greedy verification
+  // Or null: a flag another thread may set while the forward runs (a request came in
+  // behind a warm-up); read between layers, and once set the forward stops there and
+  // returns INTERRUPTED with no logits: its keys past `past` are not part of the cache.
+  const int32_t* interrupt;
 };
+
+constexpr int INTERRUPTED = -4;
+
+inline bool interrupted(const Fwd& f) {
+  return f.interrupt && __atomic_load_n(f.interrupt, __ATOMIC_RELAXED) != 0;
+}
 
 struct Task {
   int64_t c, t0, t1;  // chunk, tokens [t0, t1)
@@ -1468,7 +1478,8 @@ void cs_lean_spin_reset() {
 // The forward (see Fwd). Returns 0 (with Fwd::stop: the logit rows computed, >= 1); -1 a
 // product refused (an unknown type, a missing
 // panel product), -2 a bad layout (a position outside the RoPE tables, a token seeing a
-// later one or not itself), -3 an ISA this CPU lacks or an unsupported head dimension.
+// later one or not itself), -3 an ISA this CPU lacks or an unsupported head dimension,
+// INTERRUPTED (-4) Fwd::interrupt was set before the last layer.
 int cs_lean_forward(const Model* m, const Fwd* f) {
   if (pad16(m->head_dim) > MAX_DP || !cs_q_isa_ok(f->isa)) return -3;
   if (m->att == ATT_BF16 && m->head_dim % 2) return -3;  // its cache holds pairs of dims
