@@ -544,15 +544,33 @@ def test_a_far_loser_retires_and_comes_back_for_one_trial(engine):
     assert store.pauses["eagle"] == 2 * FIRST_PAUSE  # and a longer pause after it
 
 
+class TickingClock:
+    """The policy's clock in a test whose choices must not follow this machine's speed:
+    every reading is 10 µs after the last (a proposer's ask, a step's rest: all tiny)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-5
+        return self.now
+
+
 @pytest.mark.parametrize("name", ["eagle", "lookahead"])
 def test_proposers_follow_steps_they_did_not_draft(spec_engine, name, monkeypatch):
     """With n-gram steps in between, a proposer is kept in step by ``follow`` and the
-    output is still plain decoding's (the tiny model with an EAGLE head beside it)."""
+    output is still plain decoding's (the tiny model with an EAGLE head beside it). The
+    policy's figures are fixed (forwards of every size 1 ms, its own clock ticking 10 µs a
+    reading): with measured ones, a slow spell of the machine priced lookahead's drafts
+    out, it never took a step and the test failed (once in a clean-clone CI run)."""
     from codespec.ngram_index import NgramIndex
     from codespec.speculators.registry import build
 
     engine = spec_engine
     monkeypatch.setattr(policy, "CLOSE", 0.0)  # never retired here, however slow it is
+    monkeypatch.setattr(policy, "time", TickingClock())
+    store = store_with(0.0)
+    monkeypatch.setattr(store.costs, "add", lambda n, ms: None)  # the seeded 1 ms stand
     prompt = engine.encode(REPEAT)
     out = plain(engine, prompt, 48)
     # a random model does not repeat its context: the n-gram drafts come from two open
@@ -561,7 +579,7 @@ def test_proposers_follow_steps_they_did_not_draft(spec_engine, name, monkeypatc
     index.open("file:///a.py", engine.decode(prompt[-24:] + out[:14]))
     index.open("file:///b.py", engine.decode(out[20:38]))
     child = build(name, engine, None)
-    ctl = Controller(engine, {"ngram": NgramProposer(index=index), name: child}, store_with(0.0))
+    ctl = Controller(engine, {"ngram": NgramProposer(index=index), name: child}, store)
     engine.reset_cache()
     ids = [t for s in engine.stream(prompt, GenParams(max_tokens=48), ctl) for t in s.token_ids]
     assert ids[:48] == out[:48]
