@@ -47,11 +47,10 @@ from codespec.daemon.engine.cpu_gemm import THREADED_ROWS, THREADED_WEIGHTS
 from codespec.native import NativeLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
-# Built into the same library: the lean runner's decoder stack (``qstack``), which calls
-# the products directly.
+# Built into the same library: the lean runner's decoder stack (``qstack``), calling them.
 SOURCES = (SOURCE, SOURCE.parent / "stack.cpp")
-# included by stack.cpp / by qgemm.cpp once per vector ISA
-HEADERS = (SOURCE.parent / "lean_ops.inc.cpp", SOURCE.parent / "qgemm_exact.inc.cpp")
+# included by stack.cpp / by qgemm.cpp (once per vector ISA; the AMX tiles' path once)
+HEADERS = tuple(SOURCE.parent / f"{n}.inc.cpp" for n in ("lean_ops", "qgemm_exact", "qgemm_amx"))
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 PANEL = 16  # output rows per panel; a matrix's rows are padded with zero blocks to a multiple
 ISA_ENV = "CODESPEC_QGEMM_ISA"
@@ -69,6 +68,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("cs_q_version", i32, []),
         ("cs_q_prefetch_ahead", i64, [i64]),
         ("cs_q_prefetch_level", i32, [i32]),
+        ("cs_q_amx", i32, [i32]),
         ("cs_q_isa_ok", i32, [i32]),
         ("cs_q_block_bytes", i64, [i32]),
         ("cs_q_pack", None, [i32, ptr, i64, i64, ptr]),

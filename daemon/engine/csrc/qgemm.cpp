@@ -50,6 +50,8 @@
 // to int8 per 32 k (one fp32 scale per 32), and blocks are multiplied by integer dot
 // products (AVX-512 VNNI vpdpbusd, else AVX2 vpmaddubsw). Faster for many rows, not exact:
 // its error is that of rounding x to 8 bits. Its rows too are independent of M and threads.
+// Where the CPU has AMX-INT8, its products of many rows take tiles for the integer sums
+// (qgemm_amx.inc.cpp), with the same integers and float steps, so the same bits.
 #include <atomic>
 #include <chrono>
 #include <stdint.h>
@@ -62,6 +64,11 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#if defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #define QG_X86 1
 #endif
 
@@ -1521,9 +1528,12 @@ void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1, Trickle* tr = nu
   }
 }
 
+#include "qgemm_amx.inc.cpp"
+
 template <int T>
 void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   const int64_t M = ai.a.M;
+  if (amx_use<T>(M)) return amx_panels<T>(ai, p0, p1);  // the same bits on AMX tiles
   switch (M) {  // one pass: every panel of a group at once, read in storage order
     case 1: return range<T, 1, 4>(ai, 0, p0, p1);
     case 2: return range<T, 2, 4>(ai, 0, p0, p1);
@@ -1912,6 +1922,19 @@ Xq& thread_buffer() {
 }  // namespace
 
 extern "C" {
+
+// The many-row int8 products' AMX path (qgemm_amx.inc.cpp; the same bits as without it):
+// on (1) or off (0), or -1 to ask. Returns the old setting, or -1 where this CPU or the
+// kernel offers no AMX-INT8 (then nothing changes).
+int cs_q_amx(int on) {
+#ifdef QG_X86
+  if (!v512::amx_granted()) return -1;
+  return on == 0 || on == 1 ? v512::g_amx_on.exchange(on) : v512::g_amx_on.load();
+#else
+  (void)on;
+  return -1;
+#endif
+}
 
 // The int8 product in steps, for a caller that shares the work out itself inside its own
 // parallel region (the lean stack's one region per forward): cs_qgemm_i8_buffer gives the
