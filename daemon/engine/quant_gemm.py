@@ -66,9 +66,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     for name, res, args in (
         ("cs_q_version", i32, []),
-        ("cs_q_prefetch_ahead", i64, [i64]),
-        ("cs_q_prefetch_level", i32, [i32]),
-        ("cs_q_amx", i32, [i32]),
+        *((n, i64, [i64]) for n in ("cs_q_prefetch_ahead", "cs_q_expand_rows")),
+        *((n, i32, [i32]) for n in ("cs_q_prefetch_level", "cs_q_amx")),
         ("cs_q_isa_ok", i32, [i32]),
         ("cs_q_block_bytes", i64, [i32]),
         ("cs_q_pack", None, [i32, ptr, i64, i64, ptr]),

@@ -556,6 +556,14 @@ std::atomic<int64_t> g_prefetch_ahead{[] {
 }()};
 inline int64_t prefetch_ahead() { return g_prefetch_ahead.load(std::memory_order_relaxed); }
 
+// The AVX2 int8 products of 1 + this many rows or more expand each panel's groups once for
+// the passes after the first row (v256::expand_panel; 0: never; CODESPEC_EXPAND_ROWS or
+// cs_q_expand_rows, for comparisons). The same integers, so the same bits.
+std::atomic<int64_t> g_expand_rows{[] {
+  const char* e = std::getenv("CODESPEC_EXPAND_ROWS");
+  return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{8};
+}()};
+
 // The cache the many-row int8 products fetch the next group of panels into (Trickle): 2,
 // L2 (prefetcht1, the default), or 1, L1 (prefetcht0; CODESPEC_PREFETCH_LEVEL or
 // cs_q_prefetch_level, for comparisons). The group they read from cache meanwhile (39 KB
@@ -1036,6 +1044,10 @@ int cs_q_version() { return 1; }
 
 // Set how many blocks ahead the 1-4 row int8 products prefetch; returns the old value.
 int64_t cs_q_prefetch_ahead(int64_t n) { return g_prefetch_ahead.exchange(n); }
+
+// Set from how many rows after the first the AVX2 int8 products expand each panel once
+// (0: never); returns the old value.
+int64_t cs_q_expand_rows(int64_t n) { return g_expand_rows.exchange(n); }
 
 // Set the cache level (1: L1, 2: L2) the many-row int8 products fetch the next group of
 // panels into (g_prefetch_level); another value leaves it. Returns the old value.
@@ -1695,9 +1707,12 @@ inline void mul4_q8_add(I& acc, I az, I z, I xv, I ones) {
 // sums, acc16), then the float steps in the file's order. MR x NP is kept small so that
 // the 16-bit sums, the quants and x fit AVX2's 16 registers (the float sums live across
 // the sub-block loop and may spill: they are touched once a sub-block).
-template <int T, int MR, int NP>
-void tile(const ArgsI8& ai, int64_t m, int64_t p) {
+// With PRE (one panel), the panel's groups come expanded from zb (expand_panel) instead
+// of from its blocks.
+template <int T, int MR, int NP, bool PRE = false>
+void tile(const ArgsI8& ai, int64_t m, int64_t p, const uint8_t* zb = nullptr) {
   using F = Tr<T>;
+  static_assert(!PRE || (NP == 1 && T != T_Q8_0), "expanded groups: one panel, not Q8_0");
   const Args& a = ai.a;
   const Xq& xq = *ai.xq;
   constexpr int BYTES = 16 * F::NATIVE;
@@ -1761,7 +1776,13 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p) {
         for (int g = g0; g < g0 + A; ++g) {
           const int gi = j * G + g;
           I2 z[NP];
-          for (int q = 0; q < NP; ++q) z[q] = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
+          if constexpr (PRE) {
+            const I* e = reinterpret_cast<const I*>(zb + 64 * (b * (F::BK / 4) + gi));
+            z[0] = {_mm256_loadu_si256(e), _mm256_loadu_si256(e + 1)};
+          } else {
+            for (int q = 0; q < NP; ++q)
+              z[q] = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
+          }
           for (int r = 0; r < MR; ++r) {
             const I xv = _mm256_set1_epi32(rd32(xr[r] + k0 + 4 * g));
             for (int q = 0; q < NP; ++q) {
@@ -1799,6 +1820,26 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p) {
       z256::put(a, m + r, 16 * (p + q), acc[r][q].lo, acc[r][q].hi, a.N - 16 * (p + q));
 }
 
+// Panel p's groups expanded (z256::group: 64 bytes, the quants of 16 columns x 4 k) one
+// after the other over all K, into a buffer of this thread's, for the passes of the rows
+// after the first: each pass of up to four rows would expand them again (Q5_0's bit plane
+// costs ~14 instructions a group, against ~20 for four rows' products of it).
+template <int T>
+const uint8_t* expand_panel(const Args& a, int64_t p) {
+  using F = Tr<T>;
+  thread_local std::vector<uint8_t> buf;
+  buf.resize(16 * a.K);  // K / 4 groups of 64 bytes
+  const Ref pr = ref_of(a, p, 16 * F::NATIVE);
+  I* o = reinterpret_cast<I*>(buf.data());
+  for (int64_t b = 0; b < a.K / F::BK; ++b)
+    for (int gi = 0; gi < F::BK / 4; ++gi, o += 2) {
+      const I2 z = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi));
+      _mm256_storeu_si256(o, z.lo);
+      _mm256_storeu_si256(o + 1, z.hi);
+    }
+  return buf.data();
+}
+
 // Rows m .. m + MR - 1 over panels [p0, p1): NP panels of a group at a time (the weights
 // stream once, in storage order).
 template <int T, int MR, int NP>
@@ -1808,6 +1849,16 @@ void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1) {
     for (; p + NP <= end; p += NP) tile<T, MR, NP>(ai, m, p);
     for (; p < end; ++p) tile<T, MR, 1>(ai, m, p);
   }
+}
+
+// Rows 1 .. M - 1 of panel p from its expanded groups zb, in the passes panels() makes.
+template <int T>
+void rows_expanded(const ArgsI8& ai, int64_t M, int64_t p, const uint8_t* zb) {
+  int64_t m = 1;
+  for (; M - m >= 4 && M - m != 5; m += 4) tile<T, 4, 1, true>(ai, m, p, zb);
+  for (; M - m >= 3 && M - m != 4; m += 3) tile<T, 3, 1, true>(ai, m, p, zb);
+  for (; m + 2 <= M; m += 2) tile<T, 2, 1, true>(ai, m, p, zb);
+  if (m < M) tile<T, 1, 1, true>(ai, m, p, zb);
 }
 
 template <int T>
@@ -1837,10 +1888,16 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   // then three, then pairs, never a lone row where a pair can be made (a pass's unpacking
   // is shared by its rows: a lone row pays it alone). Four rather than three a pass is
   // faster from cache at 8 to 17 rows; unrolling the group loop twice is slower.
+  const int64_t from = g_expand_rows.load(std::memory_order_relaxed);
+  const bool pre = T != T_Q8_0 && from > 0 && M - 1 >= from;
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
     range<T, 1, 4>(ai, 0, p, end);
     for (; p < end; ++p) {
+      if (pre) {
+        if constexpr (T != T_Q8_0) rows_expanded<T>(ai, M, p, expand_panel<T>(ai.a, p));
+        continue;
+      }
       int64_t m = 1;
       for (; M - m >= 4 && M - m != 5; m += 4) tile<T, 4, 1>(ai, m, p);
       for (; M - m >= 3 && M - m != 4; m += 3) tile<T, 3, 1>(ai, m, p);
