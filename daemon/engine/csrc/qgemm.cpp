@@ -547,14 +547,24 @@ inline int64_t pass_rows() {
 
 // Blocks ahead (of a group of four panels) that the AVX-512 VNNI products of 1 to 4 rows
 // and the AVX2 ones' one-row pass fetch while they stream the weights (0: none;
-// CODESPEC_PREFETCH_AHEAD or cs_q_prefetch_ahead, for comparisons). Fetching 4 blocks ahead (3 and 6 do as well)
-// makes decode steps and 4-token forwards faster at short and long contexts: the hardware
+// CODESPEC_PREFETCH_AHEAD or cs_q_prefetch_ahead, for comparisons). Fetching 4 blocks
+// ahead (3 and 6 do as well) makes decode steps and 4-token forwards faster at short and long contexts: the hardware
 // prefetcher alone leaves the stream well below the bandwidth torch's products reach.
 std::atomic<int64_t> g_prefetch_ahead{[] {
   const char* e = std::getenv("CODESPEC_PREFETCH_AHEAD");
   return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{4};
 }()};
 inline int64_t prefetch_ahead() { return g_prefetch_ahead.load(std::memory_order_relaxed); }
+
+// The few-row passes' fetch ahead: the `bytes` of a slice from f into L1, none past end.
+inline void fetch_slice(const uint8_t* f, int64_t bytes, const uint8_t* end) {
+#ifdef QG_X86
+  for (int64_t o = 0; o < bytes && f + o < end; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(f + o), _MM_HINT_T0);
+#else
+  (void)f, (void)bytes, (void)end;
+#endif
+}
 
 // The AVX2 int8 products of 1 + this many rows or more expand each panel's groups once for
 // the passes after the first row (v256::expand_panel; 0: never; CODESPEC_EXPAND_ROWS or
@@ -1466,11 +1476,7 @@ void direct(const ArgsI8& ai, int64_t m, int64_t p, Trickle* tr = nullptr) {
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < F::BK / F::SUB; ++j) {
       const int64_t k0 = b * F::BK + j * F::SUB;
-      if (ahead) {
-        const uint8_t* f = pr.base + b * pr.bstride + (j + ahead) * slice;
-        for (int64_t o = 0; o < slice && f + o < pend; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(f + o), _MM_HINT_T0);
-      }
+      if (ahead) fetch_slice(pr.base + b * pr.bstride + (j + ahead) * slice, slice, pend);
       if (tr)
         for (int64_t i = 0; i < tr->step && tr->p < tr->end; ++i, tr->p += 64) {
           if (tr->l2)
@@ -1736,11 +1742,7 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p, const uint8_t* zb = nullptr) {
   for (int64_t b = 0; b < nb; ++b) {
     for (int j = 0; j < F::BK / F::SUB; ++j) {
       const int64_t k0 = b * F::BK + j * F::SUB;
-      if (ahead) {
-        const uint8_t* f = pr.base + b * pr.bstride + (j + ahead) * slice;
-        for (int64_t o = 0; o < slice && f + o < pend; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(f + o), _MM_HINT_T0);
-      }
+      if (ahead) fetch_slice(pr.base + b * pr.bstride + (j + ahead) * slice, slice, pend);
       I2 dot[MR][NP];
       for (int r = 0; r < MR; ++r) {
         const int32_t* s = xq.s16.data() + (m + r) * k16 + k0 / 16;
@@ -1851,14 +1853,15 @@ void range(const ArgsI8& ai, int64_t m, int64_t p0, int64_t p1) {
   }
 }
 
-// Rows 1 .. M - 1 of panel p from its expanded groups zb, in the passes panels() makes.
-template <int T>
-void rows_expanded(const ArgsI8& ai, int64_t M, int64_t p, const uint8_t* zb) {
+// Rows 1 .. M - 1 of panel p, four a pass, then three, then pairs (see panels()); with
+// PRE from its expanded groups zb.
+template <int T, bool PRE>
+void rows_after_first(const ArgsI8& ai, int64_t M, int64_t p, const uint8_t* zb) {
   int64_t m = 1;
-  for (; M - m >= 4 && M - m != 5; m += 4) tile<T, 4, 1, true>(ai, m, p, zb);
-  for (; M - m >= 3 && M - m != 4; m += 3) tile<T, 3, 1, true>(ai, m, p, zb);
-  for (; m + 2 <= M; m += 2) tile<T, 2, 1, true>(ai, m, p, zb);
-  if (m < M) tile<T, 1, 1, true>(ai, m, p, zb);
+  for (; M - m >= 4 && M - m != 5; m += 4) tile<T, 4, 1, PRE>(ai, m, p, zb);
+  for (; M - m >= 3 && M - m != 4; m += 3) tile<T, 3, 1, PRE>(ai, m, p, zb);
+  for (; m + 2 <= M; m += 2) tile<T, 2, 1, PRE>(ai, m, p, zb);
+  if (m < M) tile<T, 1, 1, PRE>(ai, m, p, zb);
 }
 
 template <int T>
@@ -1894,15 +1897,12 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
     const int64_t end = group_end(p, p1);
     range<T, 1, 4>(ai, 0, p, end);
     for (; p < end; ++p) {
-      if (pre) {
-        if constexpr (T != T_Q8_0) rows_expanded<T>(ai, M, p, expand_panel<T>(ai.a, p));
-        continue;
-      }
-      int64_t m = 1;
-      for (; M - m >= 4 && M - m != 5; m += 4) tile<T, 4, 1>(ai, m, p);
-      for (; M - m >= 3 && M - m != 4; m += 3) tile<T, 3, 1>(ai, m, p);
-      for (; m + 2 <= M; m += 2) tile<T, 2, 1>(ai, m, p);
-      if (m < M) tile<T, 1, 1>(ai, m, p);
+      if constexpr (T != T_Q8_0)
+        if (pre) {
+          rows_after_first<T, true>(ai, M, p, expand_panel<T>(ai.a, p));
+          continue;
+        }
+      rows_after_first<T, false>(ai, M, p, nullptr);
     }
   }
 }
