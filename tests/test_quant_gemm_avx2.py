@@ -1,20 +1,22 @@
-"""The AVX2 int8 products of many rows with each panel's groups expanded once for the
-passes after the first row (``v256::expand_panel``; ``cs_q_expand_rows`` sets from how
-many rows, 0 never): the same integers, so the same bits as without it and as one-row
-products, for every block type, every count of rows around the passes' shapes, 1 and 2
-threads, and quants at their largest magnitude.
+"""The AVX2 int8 products of several rows with each panel's groups kept as the first
+row's pass expands them, for the passes of the rows after it (``v256::panels_kept``;
+``cs_q_expand_rows`` sets from how many rows after the first, 0 never): the same
+integers, so the same bits as without it and as one-row products, for every block type,
+every count of rows around the passes' shapes, 1 and 2 threads (whose panels split a
+group of four), and quants at their largest magnitude.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_quant_gemm import QUANT_BYTES, TYPES, k_for, needs_kernel, random_gguf
+from quant_largest import at_largest
+from test_quant_gemm import TYPES, k_for, needs_kernel, random_gguf
 
 from codespec.daemon.engine import quant_gemm
 from codespec.daemon.engine.quant_gemm import QuantMatrix
 
-ROWS = (2, 5, 6, 9, 10, 13, 17, 20, 33)
+ROWS = (2, 3, 5, 6, 9, 10, 13, 17, 20, 33)
 
 avx2 = pytest.mark.skipif(
     quant_gemm.library() is None or not quant_gemm.isa_supported("avx2"),
@@ -56,10 +58,7 @@ def test_expanded_panels_give_the_same_bits(qtype: str) -> None:
 def test_expanded_panels_take_the_largest_quants_exactly(qtype: str) -> None:
     """Every quant at its largest against x rounded to +-127: the scalar path's bits."""
     n, k = 37, k_for(qtype)
-    bk, size = quant_gemm.BLOCKS[qtype]
-    raw = random_gguf(qtype, n, k, seed=7).reshape(n, k // bk, size).copy()
-    raw[..., QUANT_BYTES[qtype]] = 0x80 if qtype == "Q8_0" else 0xFF
-    qm = QuantMatrix.from_bytes(raw.reshape(n, -1), qtype, n, k)
+    _, qm = at_largest(random_gguf(qtype, n, k, seed=7), qtype, n, k)
     x = torch.cat([torch.full((17, k), 1.0), torch.full((16, k), -3.0)])  # (33, K)
     want = quant_gemm.linear_i8(x, qm, threads=1, isa="scalar")
     for (m, t), y in _products(qm, x, 1).items():

@@ -566,12 +566,15 @@ inline void fetch_slice(const uint8_t* f, int64_t bytes, const uint8_t* end) {
 #endif
 }
 
-// The AVX2 int8 products of 1 + this many rows or more expand each panel's groups once for
-// the passes after the first row (v256::expand_panel; 0: never; CODESPEC_EXPAND_ROWS or
-// cs_q_expand_rows, for comparisons). The same integers, so the same bits.
+// The AVX2 int8 products of 1 + this many rows or more keep each panel's groups as the
+// first row's pass expands them, for the passes of the rows after it (v256::panels_kept;
+// 0: never; CODESPEC_EXPAND_ROWS or cs_q_expand_rows, for comparisons). The same
+// integers, so the same bits. From the second row on: in process on a Zen 3 VM (0.5B
+// forwards after 350 cached, every row's logits, 12 alternating rounds, medians), 2 rows
+// 43.0 -> 38.4 ms, 3: 49.8 -> 45.0, 4: 54.2 -> 49.1, against keeping them from 9 rows on.
 std::atomic<int64_t> g_expand_rows{[] {
   const char* e = std::getenv("CODESPEC_EXPAND_ROWS");
-  return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{8};
+  return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{1};
 }()};
 
 // The cache the many-row int8 products fetch the next group of panels into (Trickle): 2,
@@ -1713,12 +1716,15 @@ inline void mul4_q8_add(I& acc, I az, I z, I xv, I ones) {
 // sums, acc16), then the float steps in the file's order. MR x NP is kept small so that
 // the 16-bit sums, the quants and x fit AVX2's 16 registers (the float sums live across
 // the sub-block loop and may spill: they are touched once a sub-block).
-// With PRE (one panel), the panel's groups come expanded from zb (expand_panel) instead
-// of from its blocks.
-template <int T, int MR, int NP, bool PRE = false>
-void tile(const ArgsI8& ai, int64_t m, int64_t p, const uint8_t* zb = nullptr) {
+// With PRE (one panel), the panel's groups come expanded from zb instead
+// of from its blocks (panels_kept); with KEEP (one row), each panel q's expanded groups are also stored
+// at out + q * 16 * K, in PRE's layout, for the passes of the rows after it.
+template <int T, int MR, int NP, bool PRE = false, bool KEEP = false>
+void tile(const ArgsI8& ai, int64_t m, int64_t p, const uint8_t* zb = nullptr,
+          uint8_t* out = nullptr) {
   using F = Tr<T>;
   static_assert(!PRE || (NP == 1 && T != T_Q8_0), "expanded groups: one panel, not Q8_0");
+  static_assert(!KEEP || (!PRE && MR == 1 && T != T_Q8_0), "kept groups: one row, not Q8_0");
   const Args& a = ai.a;
   const Xq& xq = *ai.xq;
   constexpr int BYTES = 16 * F::NATIVE;
@@ -1782,8 +1788,14 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p, const uint8_t* zb = nullptr) {
             const I* e = reinterpret_cast<const I*>(zb + 64 * (b * (F::BK / 4) + gi));
             z[0] = {_mm256_loadu_si256(e), _mm256_loadu_si256(e + 1)};
           } else {
-            for (int q = 0; q < NP; ++q)
+            for (int q = 0; q < NP; ++q) {
               z[q] = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi, q));
+              if constexpr (KEEP) {
+                I* o = reinterpret_cast<I*>(out + q * 16 * a.K + 64 * (b * (F::BK / 4) + gi));
+                _mm256_storeu_si256(o, z[q].lo);
+                _mm256_storeu_si256(o + 1, z[q].hi);
+              }
+            }
           }
           for (int r = 0; r < MR; ++r) {
             const I xv = _mm256_set1_epi32(rd32(xr[r] + k0 + 4 * g));
@@ -1822,26 +1834,6 @@ void tile(const ArgsI8& ai, int64_t m, int64_t p, const uint8_t* zb = nullptr) {
       z256::put(a, m + r, 16 * (p + q), acc[r][q].lo, acc[r][q].hi, a.N - 16 * (p + q));
 }
 
-// Panel p's groups expanded (z256::group: 64 bytes, the quants of 16 columns x 4 k) one
-// after the other over all K, into a buffer of this thread's, for the passes of the rows
-// after the first: each pass of up to four rows would expand them again (Q5_0's bit plane
-// costs ~14 instructions a group, against ~20 for four rows' products of it).
-template <int T>
-const uint8_t* expand_panel(const Args& a, int64_t p) {
-  using F = Tr<T>;
-  thread_local std::vector<uint8_t> buf;
-  buf.resize(16 * a.K);  // K / 4 groups of 64 bytes
-  const Ref pr = ref_of(a, p, 16 * F::NATIVE);
-  I* o = reinterpret_cast<I*>(buf.data());
-  for (int64_t b = 0; b < a.K / F::BK; ++b)
-    for (int gi = 0; gi < F::BK / 4; ++gi, o += 2) {
-      const I2 z = z256::group<T>(group_at(pr, b, F::GOFF, F::GB, gi));
-      _mm256_storeu_si256(o, z.lo);
-      _mm256_storeu_si256(o + 1, z.hi);
-    }
-  return buf.data();
-}
-
 // Rows m .. m + MR - 1 over panels [p0, p1): NP panels of a group at a time (the weights
 // stream once, in storage order).
 template <int T, int MR, int NP>
@@ -1862,6 +1854,26 @@ void rows_after_first(const ArgsI8& ai, int64_t M, int64_t p, const uint8_t* zb)
   for (; M - m >= 3 && M - m != 4; m += 3) tile<T, 3, 1, PRE>(ai, m, p, zb);
   for (; m + 2 <= M; m += 2) tile<T, 2, 1, PRE>(ai, m, p, zb);
   if (m < M) tile<T, 1, 1, PRE>(ai, m, p, zb);
+}
+
+// Group by group, the first row's pass (four panels, or one, as range()) keeping each
+// panel's expanded groups (z256::group: 64 bytes, the quants of 16 columns x 4 k) one
+// after the other over all K in a buffer of this thread's; the rows after it read them
+// from there: a pass of up to four rows would expand them again (Q5_0's bit plane costs
+// ~14 instructions a group, against ~20 for four rows' products of it).
+template <int T>
+void panels_kept(const ArgsI8& ai, int64_t p0, int64_t p1) {
+  const int64_t M = ai.a.M, K = ai.a.K;
+  thread_local std::vector<uint8_t> buf;
+  buf.resize(4 * 16 * K);  // four panels' K / 4 groups of 64 bytes
+  for (int64_t p = p0; p < p1;) {
+    const int64_t end = group_end(p, p1), first = p;
+    for (; p + 4 <= end; p += 4) tile<T, 1, 4, false, true>(ai, 0, p, nullptr, buf.data());
+    for (; p < end; ++p)
+      tile<T, 1, 1, false, true>(ai, 0, p, nullptr, buf.data() + (p - first) * 16 * K);
+    for (int64_t q = first; q < end; ++q)
+      rows_after_first<T, true>(ai, M, q, buf.data() + (q - first) * 16 * K);
+  }
 }
 
 template <int T>
@@ -1890,20 +1902,16 @@ void panels(const ArgsI8& ai, int64_t p0, int64_t p1) {
   // time (8 sums, 2 quant vectors, x, a product and the nibble mask: 13 of the 16 ymm),
   // then three, then pairs, never a lone row where a pair can be made (a pass's unpacking
   // is shared by its rows: a lone row pays it alone). Four rather than three a pass is
-  // faster from cache at 8 to 17 rows; unrolling the group loop twice is slower.
+  // faster from cache at 8 to 17 rows; unrolling the group loop twice is slower. By
+  // default (g_expand_rows) those passes read the groups the first row's expanded.
   const int64_t from = g_expand_rows.load(std::memory_order_relaxed);
   const bool pre = T != T_Q8_0 && from > 0 && M - 1 >= from;
+  if constexpr (T != T_Q8_0)
+    if (pre) return panels_kept<T>(ai, p0, p1);
   for (int64_t p = p0; p < p1;) {
     const int64_t end = group_end(p, p1);
     range<T, 1, 4>(ai, 0, p, end);
-    for (; p < end; ++p) {
-      if constexpr (T != T_Q8_0)
-        if (pre) {
-          rows_after_first<T, true>(ai, M, p, expand_panel<T>(ai.a, p));
-          continue;
-        }
-      rows_after_first<T, false>(ai, M, p, nullptr);
-    }
+    for (; p < end; ++p) rows_after_first<T, false>(ai, M, p, nullptr);
   }
 }
 
