@@ -29,6 +29,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from quant_largest import at_largest  # noqa: E402
+
 from codespec import native  # noqa: E402
 from codespec.daemon.engine import cpu_gemm, quant_gemm  # noqa: E402
 from codespec.daemon.engine.quant_gemm import QuantMatrix  # noqa: E402
@@ -430,19 +432,6 @@ def test_i8_many_equals_each_product_alone_bit_for_bit() -> None:
             random_gguf("Q8_0", 16, 64, seed=1), "Q8_0", 16, 64)])  # fmt: skip
 
 
-# The bytes of each type's quants (the rest: scales, kept as random_gguf made them).
-QUANT_BYTES = {
-    "Q8_0": slice(2, 34),
-    "Q4_0": slice(2, 18),
-    "Q4_1": slice(4, 20),
-    "Q5_0": slice(2, 22),
-    "Q5_1": slice(4, 24),
-    "Q4_K": slice(16, 144),
-    "Q5_K": slice(16, 176),
-    "Q6_K": slice(0, 192),
-}
-
-
 @needs_kernel
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -451,15 +440,12 @@ def test_i8_largest_quants_do_not_overflow_the_integer_sums(qtype: str, sign: fl
     x rounded to +-127 everywhere: the vector paths' 16-bit partial sums are at their bound
     and must still equal the scalar path's 32-bit ones bit for bit."""
     n, k = 33, k_for(qtype)
-    bk, size = quant_gemm.BLOCKS[qtype]
-    raw = random_gguf(qtype, n, k, seed=5).reshape(n, k // bk, size).copy()
-    raw[..., QUANT_BYTES[qtype]] = 0x80 if qtype == "Q8_0" else 0xFF
-    qm = QuantMatrix.from_bytes(raw.reshape(n, -1), qtype, n, k)
+    raw, qm = at_largest(random_gguf(qtype, n, k, seed=5), qtype, n, k)
     x = torch.full((5, k), sign)  # every input rounds to +-127
     x[1] *= 3.0
     want = quant_gemm.linear_i8(x, qm, threads=1, isa="scalar")
     assert torch.isfinite(want).all()
-    w = torch.from_numpy(reference(raw.reshape(n, -1), qtype, n, k)).double()
+    w = torch.from_numpy(reference(raw, qtype, n, k)).double()
     assert torch.allclose(want.double(), x.double() @ w.T, rtol=1e-5, atol=1e-4)
     for isa in _i8_isas():
         for threads in (1, 2):

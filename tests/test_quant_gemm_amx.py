@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_quant_gemm import QUANT_BYTES, TYPES, k_for, needs_kernel, random_gguf
+from quant_largest import at_largest
+from test_quant_gemm import TYPES, k_for, needs_kernel, random_gguf
 
 from codespec.daemon.engine import quant_gemm
 from codespec.daemon.engine.quant_gemm import QuantMatrix
@@ -73,10 +74,7 @@ def test_tiles_take_the_largest_quants_exactly(qtype: str) -> None:
     """Every quant at its largest (the signed bytes a biased type becomes: Q4_0's columns
     8-15 reach -128) against x rounded to +-127: the same bits as the scalar path."""
     n, k = 37, k_for(qtype)
-    bk, size = quant_gemm.BLOCKS[qtype]
-    raw = random_gguf(qtype, n, k, seed=6).reshape(n, k // bk, size).copy()
-    raw[..., QUANT_BYTES[qtype]] = 0x80 if qtype == "Q8_0" else 0xFF
-    qm = QuantMatrix.from_bytes(raw.reshape(n, -1), qtype, n, k)
+    _, qm = at_largest(random_gguf(qtype, n, k, seed=6), qtype, n, k)
     x = torch.cat([torch.full((24, k), 1.0), torch.full((24, k), -3.0)])  # (48, K)
     want = quant_gemm.linear_i8(x, qm, threads=1, isa="scalar")
     for (m, t), y in _products(qm, x, 1).items():
