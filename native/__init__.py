@@ -54,6 +54,24 @@ def kernel_dir() -> Path:
     return state_dir() / "kernels"
 
 
+def _compile(commands: list[list[str]], deadline: float) -> None:
+    """Run the compiler ``commands`` at once and wait for all of them; RuntimeError with
+    the first failure's last stderr, ``subprocess.TimeoutExpired`` past ``deadline``
+    (``time.monotonic``; every one still running is killed)."""
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for c in commands]  # fmt: skip
+    try:
+        errors = [p.communicate(timeout=max(0.0, deadline - time.monotonic()))[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for c, p, err in zip(commands, procs, errors, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"{c[0]} failed: {err.strip()[-400:]}")
+
+
 class NativeLibrary:
     """One C++ library: ``sources`` (plus ``headers`` they include) compiled with ``flags``
     into ``<kernel_dir>/<stem>-<hash>.so`` on first use.
@@ -94,19 +112,27 @@ class NativeLibrary:
         return out_dir / f"{self.stem}-{key}.so"
 
     def build(self, cxx: str, target: Path) -> None:
-        """Compile the library to ``target`` (written whole or not at all)."""
+        """Compile the library to ``target`` (written whole or not at all). Several
+        sources compile at once, each to an object of its own, then link: one compiler
+        process uses one core, and the quantized kernel's two sources took 110 s in one
+        on a 2-core VM."""
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
+        objects = [f"{tmp}.{i}.o" for i in range(len(self.sources))]
+        deadline = time.monotonic() + self.timeout
         try:
-            cmd = [cxx, *self.flags, *map(str, self.sources), "-o", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[-400:]}")
+            if len(self.sources) == 1:
+                _compile([[cxx, *self.flags, str(self.sources[0]), "-o", tmp]], deadline)
+            else:
+                pairs = zip(self.sources, objects, strict=True)
+                _compile([[cxx, *self.flags, "-c", str(s), "-o", o] for s, o in pairs], deadline)
+                _compile([[cxx, *self.flags, *objects, "-o", tmp]], deadline)
             os.replace(tmp, target)  # atomic: concurrent builders both end with a whole file
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            for path in (tmp, *objects):
+                if os.path.exists(path):
+                    os.unlink(path)
 
     def _load(self) -> str | None:
         """Build if needed and load; the reason it cannot be used, or None."""
