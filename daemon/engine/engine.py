@@ -41,6 +41,7 @@ import torch
 from codespec.daemon.engine import models
 from codespec.daemon.engine.loading import (
     ModelLoadError,
+    build_cpu_kernels_meanwhile,
     load_runner,
     one_line,
     pick_device,
@@ -94,8 +95,10 @@ class Engine(ModelTarget):
         max_slots: int = 4,
         max_run_tokens: int = 0,
     ) -> None:
-        self.model_path = resolve_model_path(model)
         self.device = pick_device(device)
+        if self.device.type == "cpu" and runner != "hf":
+            build_cpu_kernels_meanwhile()
+        self.model_path = resolve_model_path(model)
         try:
             self.tokenizer = load_tokenizer(self.model_path)  # without transformers where it can
         except Exception as exc:

@@ -8,10 +8,11 @@ nothing about decoding.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
-from codespec.daemon.engine import lean, lean_config, models, row_split
+from codespec.daemon.engine import cpu_gemm, lean, lean_config, models, quant_gemm, row_split
 from codespec.daemon.engine.runner import HFRunner, Runner
 
 
@@ -27,6 +28,21 @@ def pick_device(device: str = "auto") -> torch.device:
     if device not in ("cpu", "cuda"):
         raise ModelLoadError(f"unknown device {device!r} (cpu, cuda or auto)")
     return torch.device(device)
+
+
+def build_cpu_kernels_meanwhile() -> threading.Thread:
+    """Build (or load) the CPU kernels on a thread of their own, started now, while the
+    caller finds, fetches or reads the model: on a first run the model's fetch (~50 s for
+    the default) and the kernels' compile (~55 s on 2 cores) then overlap instead of
+    adding up. The runner's own first use of a kernel waits for its build (each library
+    builds once: ``codespec.native``); a build that fails says why there, as before."""
+    thread = threading.Thread(
+        target=lambda: (quant_gemm.library(), cpu_gemm.library()),
+        name="codespec-kernels",
+        daemon=True,
+    )
+    thread.start()
+    return thread
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> str:
