@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _should_build() -> bool:
     return (
         platform.machine().lower() in ("x86_64", "amd64")
-        and {"avx2", "fma"} <= cpu_gemm._cpu_flags()
+        and {"avx2", "fma"} <= cpu_gemm.cpu_flags()
         and native.compiler() is not None
         and os.environ.get("CODESPEC_CPU_KERNELS", "1") != "0"
     )

@@ -107,7 +107,7 @@ def test_builds_where_a_compiler_exists() -> None:
     assert quant_gemm.library().cs_q_version() == 1
     isas = quant_gemm.available_isas()
     assert isas[0] == "scalar"
-    flags = cpu_gemm._cpu_flags()
+    flags = cpu_gemm.cpu_flags()
     if {"avx2", "fma", "f16c"} <= flags:
         assert "avx2" in isas
     if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:

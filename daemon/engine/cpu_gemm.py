@@ -58,7 +58,9 @@ THREADED_WEIGHTS = 1 << 16
 _products: dict[torch.dtype, Callable[..., None]] = {}  # panel dtype -> the kernel's product
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as ``/proc/cpuinfo`` names them (empty where it cannot be
+    read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -76,7 +78,7 @@ def _precheck() -> str | None:
         return "switched off by CODESPEC_CPU_KERNELS=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the kernel is x86-64 only (this is {platform.machine()})"
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(sorted(missing))}"
     return None

@@ -71,6 +71,12 @@
 #endif
 #define QG_X86 1
 #endif
+// QG_NO_AVX512 (codespec builds with it for a CPU without AVX-512F: quant_gemm.FLAGS)
+// leaves the AVX-512 and AMX paths out: such a CPU never runs them, and they are about
+// half of this file's compile.
+#if defined(QG_X86) && !defined(QG_NO_AVX512)
+#define QG_AVX512 1
+#endif
 
 namespace {
 
@@ -636,6 +642,7 @@ void panels_scalar(const Args& a, int64_t p0, int64_t p1) {
 }  // namespace
 
 #ifdef QG_X86
+#ifdef QG_AVX512
 // =======================================================================================
 // AVX-512 (F, BW, VL, DQ): one zmm = 16 columns.
 #pragma GCC push_options
@@ -797,6 +804,7 @@ constexpr int SCRATCH_ROWS = 8;  // rows per pass over a widened panel (8 FMA ch
 }  // namespace z512
 }  // namespace
 #pragma GCC pop_options
+#endif  // QG_AVX512
 
 // =======================================================================================
 // AVX2 + FMA + F16C: two ymm = 16 columns (lo: columns 0-7, hi: 8-15).
@@ -1006,6 +1014,8 @@ bool isa_ok(int isa) {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
   if (isa == ISA_AVX2) return avx2;
+#endif
+#ifdef QG_AVX512
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512dq");
@@ -1031,7 +1041,9 @@ PanelFn pick(int isa, int t) {
     case T_Q6_K: return NS::panels<T_Q6_K>;          \
     default: return nullptr;                         \
   }
+#ifdef QG_AVX512
   if (isa >= ISA_AVX512) QG_PICK(z512)
+#endif
   if (isa == ISA_AVX2) QG_PICK(z256)
 #undef QG_PICK
 #endif
@@ -1158,9 +1170,12 @@ void cs_q_dequant(int t, const uint8_t* P, int64_t N, int64_t K, float* out, int
   std::vector<uint8_t> tmp(16 * ds.native);
   for (int64_t p = 0; p < npanel; ++p) {
     const Ref r = ref_of(P, npanel, nb * 16 * ds.native, p, 16 * ds.native);
-#ifdef QG_X86
+#ifdef QG_AVX512
     if (isa >= ISA_AVX512) z512::dequant_panel(t, r, K, S.data());
-    else if (isa == ISA_AVX2) z256::dequant_panel(t, r, K, S.data());
+    else
+#endif
+#ifdef QG_X86
+    if (isa == ISA_AVX2) z256::dequant_panel(t, r, K, S.data());
     else
 #endif
       for (int64_t b = 0; b < nb; ++b) {
@@ -1301,6 +1316,7 @@ void panels_i8_scalar(const ArgsI8& ai, int64_t p0, int64_t p1) {
 }  // namespace
 
 #ifdef QG_X86
+#ifdef QG_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 namespace {
@@ -1618,6 +1634,7 @@ int64_t dot_peak(int64_t iters) {
 }  // namespace v512
 }  // namespace
 #pragma GCC pop_options
+#endif  // QG_AVX512
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -1944,7 +1961,9 @@ using QuantFn = void (*)(const float*, int64_t, int64_t, Xq&, int64_t, int64_t);
 
 QuantFn pick_quant(int isa) {
 #ifdef QG_X86
+#ifdef QG_AVX512
   if (isa == ISA_AVX512_VNNI) return v512::quantize_blocks;
+#endif
   if (isa == ISA_AVX2) return v256::quantize_blocks;
 #endif
   (void)isa;
@@ -1965,7 +1984,9 @@ PanelFnI8 pick_i8(int isa, int t) {
     case T_Q6_K: return NS::panels<T_Q6_K>;          \
     default: return nullptr;                         \
   }
+#ifdef QG_AVX512
   if (isa == ISA_AVX512_VNNI) QG_PICK(v512)
+#endif
   if (isa == ISA_AVX2) QG_PICK(v256)
 #undef QG_PICK
 #endif
@@ -2003,7 +2024,7 @@ extern "C" {
 // on (1) or off (0), or -1 to ask. Returns the old setting, or -1 where this CPU or the
 // kernel offers no AMX-INT8 (then nothing changes).
 int cs_q_amx(int on) {
-#ifdef QG_X86
+#ifdef QG_AVX512
   if (!v512::amx_granted()) return -1;
   return on == 0 || on == 1 ? v512::g_amx_on.exchange(on) : v512::g_amx_on.load();
 #else
@@ -2109,6 +2130,15 @@ int cs_qgemm_i8_many(int64_t n, const int* types, const float* x, int64_t M, int
 // verification against. 0 where the isa is not available here.
 double cs_qgemm_i8_peak(int isa, int64_t threads, int64_t iters, int64_t rounds) {
 #ifdef QG_X86
+  const auto dot_peak = [](int i, int64_t n) {
+#ifdef QG_AVX512
+    if (i == ISA_AVX512_VNNI) return v512::dot_peak(n);
+#endif
+    (void)i;
+    return v256::dot_peak(n);
+  };
+#endif
+#ifdef QG_X86
   if (!isa_ok(isa) || (isa != ISA_AVX2 && isa != ISA_AVX512_VNNI) || threads < 1 || iters < 1)
     return 0.0;
   const double per_iter = isa == ISA_AVX512_VNNI ? 12.0 * 64 : 12.0 * 32;
@@ -2117,7 +2147,7 @@ double cs_qgemm_i8_peak(int isa, int64_t threads, int64_t iters, int64_t rounds)
   for (int64_t r = 0; r < rounds; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(static_cast<int>(threads))
-    sink += isa == ISA_AVX512_VNNI ? v512::dot_peak(iters) : v256::dot_peak(iters);
+    sink += dot_peak(isa, iters);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double rate = per_iter * static_cast<double>(iters) * static_cast<double>(threads) / s;
     if (s > 0 && rate > best) best = rate;
