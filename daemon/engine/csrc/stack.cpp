@@ -45,6 +45,11 @@
 #include <immintrin.h>
 #define LS_X86 1
 #endif
+// QG_NO_AVX512 (the quantized kernel's build for a CPU without AVX-512F, qgemm.cpp)
+// leaves the AVX-512 stack (z5) out here too: such a CPU never runs it.
+#if defined(LS_X86) && !defined(QG_NO_AVX512)
+#define LS_AVX512 1
+#endif
 
 extern "C" {
 int cs_qgemm(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* P,
@@ -1236,6 +1241,7 @@ constexpr int value_chunks_for(int R) { return fit_ymm(R, 4); }
 }  // namespace
 #pragma GCC pop_options
 
+#ifdef LS_AVX512
 // ---------------------------------------------------------------------------------------
 // AVX-512 (F, BW, VL, DQ): V is one zmm.
 #pragma GCC push_options
@@ -1340,6 +1346,7 @@ constexpr int value_chunks_for(int) { return 4; }
 }  // namespace z5
 }  // namespace
 #pragma GCC pop_options
+#endif  // LS_AVX512
 #endif  // LS_X86
 
 extern "C" {
@@ -1419,11 +1426,13 @@ int cs_lean_bf16_probe(int isa, int native, const float* x, int64_t n, uint16_t*
                        const uint16_t* kt, const uint16_t* qb, int64_t pairs, float* s) {
   if (!cs_q_isa_ok(isa)) return -3;
   if (native && (!bf16_cpu() || isa < 2)) return -3;
-#ifdef LS_X86
+#ifdef LS_AVX512
   if (isa >= 2) {
     z5::bf16_probe(native != 0, x, n, xb, kt, qb, pairs, s);
     return 0;
   }
+#endif
+#ifdef LS_X86
   if (isa == 1) {
     z2::bf16_probe(false, x, n, xb, kt, qb, pairs, s);
     return 0;
@@ -1496,17 +1505,22 @@ int cs_lean_forward(const Model* m, const Fwd* f) {
     bar.waits = 0;
     bar.slept = 0;
     int rc;
-#ifdef LS_X86
+#ifdef LS_AVX512
     if (f->isa >= 2) rc = z5::forward_team(*m, *f, bar);
-    else if (f->isa == 1) rc = z2::forward_team(*m, *f, bar);
+    else
+#endif
+#ifdef LS_X86
+    if (f->isa == 1) rc = z2::forward_team(*m, *f, bar);
     else
 #endif
       rc = zs::forward_team(*m, *f, bar);
     sp.end(f->T, rows, cold, bar.spin_ns, bar.waits.load(), bar.slept.load());
     return rc;
   }
-#ifdef LS_X86
+#ifdef LS_AVX512
   if (f->isa >= 2) return z5::forward(*m, *f);
+#endif
+#ifdef LS_X86
   if (f->isa == 1) return z2::forward(*m, *f);
 #endif
   return zs::forward(*m, *f);
