@@ -2,11 +2,10 @@
 
 Owns the weights of one matrix in GGUF's own blocks (:class:`QuantMatrix`: Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, repacked once into 16-row panels of exactly the same
-bytes, plus zero blocks for the rows that round ``n`` up to a multiple of 16),
-building and loading that kernel, and the product :func:`linear`
-(``y = x @ W^T (+ bias) (+ res)``, x fp32). It must not know anything about models or
-about how a GGUF file is laid out beyond one tensor's blocks: callers hand it a reader
-tensor or raw block bytes, and plain fp32 tensors.
+bytes, plus zero blocks for the rows that round ``n`` up to a multiple of 16), building
+and loading that kernel, and the product :func:`linear` (``y = x @ W^T (+ bias) (+ res)``,
+x fp32). It must not know models, nor a GGUF file's layout beyond one tensor's blocks:
+callers hand it a reader tensor or raw block bytes, and plain fp32 tensors.
 
 Exactness: the kernel widens every weight to exactly the fp32 value gguf's reference
 dequantizer gives (a zero's sign aside) and sums each output over k in order with one FMA
@@ -52,12 +51,8 @@ SOURCES = (SOURCE, SOURCE.parent / "stack.cpp")
 # included by stack.cpp / by qgemm.cpp (once per vector ISA; the AMX tiles' path once)
 HEADERS = tuple(SOURCE.parent / f"{n}.inc.cpp" for n in ("lean_ops", "qgemm_exact", "qgemm_amx"))
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
-# On an x86 CPU without AVX-512F (as /proc/cpuinfo says) the build leaves the AVX-512 and
-# AMX paths out (QG_NO_AVX512): it never runs them, and they are about half the compile
-# (qgemm.cpp 115 -> 65 s on a Zen 3 VM). The flag is part of the build's name, so a
-# CPU that has them never loads such a build.
-if (flags := cpu_flags()) and "avx512f" not in flags:
-    FLAGS.append("-DQG_NO_AVX512")
+# a CPU without AVX-512F builds without the AVX-512 and AMX paths (~half the compile)
+FLAGS += ["-DQG_NO_AVX512"] if cpu_flags() and "avx512f" not in cpu_flags() else []
 PANEL = 16  # output rows per panel; a matrix's rows are padded with zero blocks to a multiple
 ISA_ENV = "CODESPEC_QGEMM_ISA"
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
