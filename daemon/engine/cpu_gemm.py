@@ -32,6 +32,7 @@ failed build, ``CODESPEC_CPU_KERNELS=0``) :func:`library` returns ``None``,
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from collections.abc import Callable
@@ -58,17 +59,18 @@ THREADED_WEIGHTS = 1 << 16
 _products: dict[torch.dtype, Callable[..., None]] = {}  # panel dtype -> the kernel's product
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as ``/proc/cpuinfo`` names them (empty where it cannot be
-    read)."""
+    read); read once."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _precheck() -> str | None:

@@ -554,8 +554,9 @@ inline int64_t pass_rows() {
 // Blocks ahead (of a group of four panels) that the AVX-512 VNNI products of 1 to 4 rows
 // and the AVX2 ones' one-row pass fetch while they stream the weights (0: none;
 // CODESPEC_PREFETCH_AHEAD or cs_q_prefetch_ahead, for comparisons). Fetching 4 blocks
-// ahead (3 and 6 do as well) makes decode steps and 4-token forwards faster at short and long contexts: the hardware
-// prefetcher alone leaves the stream well below the bandwidth torch's products reach.
+// ahead (3 and 6 do as well) makes decode steps and 4-token forwards faster at short and
+// long contexts: the hardware prefetcher alone leaves the stream well below the bandwidth
+// torch's products reach.
 std::atomic<int64_t> g_prefetch_ahead{[] {
   const char* e = std::getenv("CODESPEC_PREFETCH_AHEAD");
   return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{4};
@@ -1733,9 +1734,9 @@ inline void mul4_q8_add(I& acc, I az, I z, I xv, I ones) {
 // sums, acc16), then the float steps in the file's order. MR x NP is kept small so that
 // the 16-bit sums, the quants and x fit AVX2's 16 registers (the float sums live across
 // the sub-block loop and may spill: they are touched once a sub-block).
-// With PRE (one panel), the panel's groups come expanded from zb instead
-// of from its blocks (panels_kept); with KEEP (one row), each panel q's expanded groups are also stored
-// at out + q * 16 * K, in PRE's layout, for the passes of the rows after it.
+// With PRE (one panel), the panel's groups come expanded from zb instead of from its
+// blocks (panels_kept); with KEEP (one row), each panel q's expanded groups are also
+// stored at out + q * 16 * K, in PRE's layout, for the passes of the rows after it.
 template <int T, int MR, int NP, bool PRE = false, bool KEEP = false>
 void tile(const ArgsI8& ai, int64_t m, int64_t p, const uint8_t* zb = nullptr,
           uint8_t* out = nullptr) {
@@ -2137,8 +2138,6 @@ double cs_qgemm_i8_peak(int isa, int64_t threads, int64_t iters, int64_t rounds)
     (void)i;
     return v256::dot_peak(n);
   };
-#endif
-#ifdef QG_X86
   if (!isa_ok(isa) || (isa != ISA_AVX2 && isa != ISA_AVX512_VNNI) || threads < 1 || iters < 1)
     return 0.0;
   const double per_iter = isa == ISA_AVX512_VNNI ? 12.0 * 64 : 12.0 * 32;
