@@ -40,6 +40,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     warm_after_s = 0.4        # a typing pause after which the prompt at the cursor is pre-filled
     suffix_tokens = 128       # the most suffix tokens a FIM prompt carries
     middle = "block"          # block | line | cursor: where a FIM prompt's middle starts
+    block_lines = 4           # a block middle's grid: Enter re-feeds the suffix once in this many
 
     [workspace]
     max_file_bytes = 1000000
@@ -170,6 +171,12 @@ class Completion(_Section):
     # follows <|fim_middle|>, so typing on a line only appends to the prompt) or "cursor"
     # (the prefix ends at the cursor, and every keystroke re-feeds the suffix after it).
     middle: Literal["block", "line", "cursor"] = "block"
+    # A block middle's grid: it starts this many lines above the cursor's line or up to
+    # twice as many less one, on multiples of it, so that Enter at a line's end feeds the
+    # suffix again one time in this many (the middle moves down by a block). 8 made the
+    # same first lines as 4 over 151 held-out points (51 each), but typing's and Enter's
+    # p99 worse: the longer middle leaves the prefix less room (BENCHMARKS.md).
+    block_lines: Annotated[int, Meta(ge=1, le=64)] = 4
 
 
 class Workspace(_Section):

@@ -375,6 +375,21 @@ def test_quality_bench_moves_the_cursor_into_the_line_and_compares_middles(tmp_p
     assert all(r["lines"] == 1 for r in result["rows"])
 
 
+def test_quality_bench_rows_per_block_grid(capsys):
+    """``--block-lines 4,8``: a row per grid for block middles (one for any other middle);
+    a grid that is not a whole number from 1 to 64 is refused before any model loads."""
+    from codespec.daemon.bench.quality import _variants
+
+    rows = _variants(["none"], ["block", "line"], [4, 8])
+    assert rows == [("none/block/grid4", "none", "block", 4),
+                    ("none/block/grid8", "none", "block", 8),
+                    ("none/line", "none", "line", 4)]  # fmt: skip
+    assert [r[0] for r in _variants(["none"], ["block"], [8])] == ["none"]
+    with pytest.raises(SystemExit):
+        dispatch(["quality", "x.jsonl", "--block-lines", "4,zero"])
+    assert "--block-lines" in capsys.readouterr().err
+
+
 def test_latency_throughput_gives_each_client_a_file_of_its_own(daemon, monkeypatch):
     """``bench latency``'s throughput: client k opens ``texts[k]`` (no two clients share a
     prompt's start) and asks at spots spread over its own file; the tokens add up."""

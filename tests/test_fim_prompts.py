@@ -216,26 +216,30 @@ def test_a_block_middle_starts_on_the_grid_and_holds_four_to_seven_lines(qwen_ti
         cursor = line_start + len("    step_")
         start = sum(map(len, lines[:first]))
         prep = prepared(qwen_tiny, "none", text=BODY, cursor=cursor, middle="block",
-                        suffix_tokens=512)  # the whole text after the cursor  # fmt: skip
+                        block_lines=4, suffix_tokens=512)  # all the text after it  # fmt: skip
         layout = f"<|fim_prefix|>{BODY[:start]}<|fim_suffix|>{BODY[cursor:]}<|fim_middle|>"
         head = ids_of(qwen_tiny, BODY[start:cursor])
         assert prep.prompt_ids == ids_of(qwen_tiny, layout) + head[:-1], n
         assert BODY[start:cursor].endswith(qwen_tiny.tokenizer.decode(head[-1:]))
 
 
-def test_enter_at_a_line_end_appends_to_a_block_prompt_three_times_in_four(qwen_tiny):
+@pytest.mark.parametrize("grid", [4, 8])
+def test_enter_at_a_line_end_appends_to_a_block_prompt_but_once_a_block(qwen_tiny, grid):
     """Enter at the end of line ``n`` (the text after the cursor does not change): with a
     ``block`` middle the new prompt keeps the old one but its last token or two, unless
-    the new line starts a block (every 4th); with a ``line`` middle the prefix grows by
-    the line and everything after it is fed again."""
-    lines = BODY.splitlines(keepends=True)
+    the new line starts a block (every ``block_lines``-th, from the second block on);
+    with a ``line`` middle the prefix grows by the line and everything after it is fed
+    again."""
+    body = "def run(items):\n" + "".join(f"    s_{i} = items[{i}] + {i}\n" for i in range(30))
+    lines = body.splitlines(keepends=True)
     appended = []
-    for n in range(4, 13):
+    for n in range(4, 29):
         end = sum(map(len, lines[: n + 1])) - 1  # the end of line n, before its break
-        entered = BODY[:end] + "\n    " + BODY[end:]
+        entered = body[:end] + "\n    " + body[end:]
         for middle in ("block", "line"):
-            before = prepared(qwen_tiny, "none", text=BODY, cursor=end, middle=middle)
-            after = prepared(qwen_tiny, "none", text=entered, cursor=end + 5, middle=middle)
+            kw = {"middle": middle, "block_lines": grid}
+            before = prepared(qwen_tiny, "none", text=body, cursor=end, **kw)
+            after = prepared(qwen_tiny, "none", text=entered, cursor=end + 5, **kw)
             b, a = before.prompt_ids, after.prompt_ids
             pairs = enumerate(zip(b, a, strict=False))
             common = next((i for i, (x, y) in pairs if x != y), len(b))
@@ -243,7 +247,18 @@ def test_enter_at_a_line_end_appends_to_a_block_prompt_three_times_in_four(qwen_
                 appended.append((n + 1, len(b) - common <= 2))
             else:
                 assert common <= b.index(FIM_SUFFIX), n  # the suffix is fed again
-    assert appended == [(m, m % 4 != 0) for m in range(5, 14)]
+    assert appended == [(m, m % grid != 0 or m < 2 * grid) for m in range(5, 30)]
+
+
+def test_the_config_sets_the_block_grid_and_refuses_a_bad_one():
+    """``[completion] block_lines``: the grid the daemon's requests use; 0 or a word is a
+    clear error naming the setting."""
+    from codespec.daemon.config import ConfigError, load_config
+
+    assert load_config(None, {"completion": {"block_lines": 8}}).completion.block_lines == 8
+    for bad in (0, "eight"):
+        with pytest.raises(ConfigError, match="block_lines"):
+            load_config(None, {"completion": {"block_lines": bad}})
 
 
 def test_at_a_small_budget_typing_and_enter_keep_the_suffix(qwen_tiny):

@@ -6,7 +6,7 @@ real cursor positions of the ``completion`` and ``function`` workloads that
 ``codespec bench make-workloads`` writes, once per prompt variant
 (``--variants none,header,crossfile``, see :data:`codespec.daemon.prompts.completion.CONTEXTS`;
 ``--middles line,cursor``, where a FIM prompt's middle starts, each variant once per
-middle):
+middle; ``--block-lines 4,8``, a block middle's grid, once per grid):
 
 - ``completion`` items (the cursor at the start of a body line; ``--at``: after its
   indentation, after 4 more characters, or half-way through the rest, as while typing
@@ -81,6 +81,7 @@ class Runner:
         self.context_tokens = context_tokens
         self.middle = Completion().middle  # where a FIM prompt's middle starts (MIDDLES)
         self.suffix_tokens = Completion().suffix_tokens  # a FIM prompt's most suffix tokens
+        self.block_lines = Completion().block_lines  # a block middle's grid
         self.snippets = SnippetCache()
         self.scheduler = Scheduler(engine, None, Speculation(), max_queue=4)
         self.scheduler.start()
@@ -105,6 +106,7 @@ class Runner:
             context=variant,
             middle=self.middle,
             suffix_tokens=self.suffix_tokens,
+            block_lines=self.block_lines,
         )
         prep = completion.prepare_complete(self.engine, store, self.snippets, doc, req)
         job = prepared_job(prep, GenParams(max_tokens=max_tokens), self.speculation,
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompt tokens at most (default: the daemon's)")  # fmt: skip
     p.add_argument("--middles", default=Completion().middle,
                    help="of block, line, cursor (FIM models; default: the daemon's)")  # fmt: skip
+    p.add_argument("--block-lines", default=str(Completion().block_lines),
+                   help="a block middle's grids, e.g. 4,8 (default: the daemon's)")  # fmt: skip
     p.add_argument("--suffix-tokens", type=int, default=Completion().suffix_tokens,
                    help="a FIM prompt's most suffix tokens (default: the daemon's)")  # fmt: skip
     p.add_argument("--at", default="start", choices=AT,
@@ -171,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in contexts if v not in CONTEXTS] + [m for m in middles if m not in MIDDLES]
     if bad:
         p.error(f"unknown variants {bad}; choose from {', '.join(CONTEXTS + MIDDLES)}")
-    # (label, context, middle): a row per context, per middle where more than one is asked
-    variants = [(f"{c}/{m}" if len(middles) > 1 else c, c, m) for c in contexts for m in middles]
+    grids = [g.strip() for g in args.block_lines.split(",") if g.strip()]
+    if not grids or not all(g.isdigit() and 1 <= int(g) <= 64 for g in grids):
+        p.error(f"--block-lines: whole numbers from 1 to 64, got {args.block_lines!r}")
+    variants = _variants(contexts, middles, [int(g) for g in grids])
     items: list[dict[str, Any]] = []
     for path in args.workload:
         wl = [it for it in load_workload(path) if it.get("kind") in ("completion", "function")]
@@ -186,17 +192,32 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(engine, args.speculation, args.context)
     runner.suffix_tokens = args.suffix_tokens
     rows = {v: {"completion": 0, "exact": 0, "similarity": 0.0, "function": 0, "parses": 0,
-                "multi": 0, "loops": 0, "cut": 0} for v, _, _ in variants}  # fmt: skip
+                "multi": 0, "loops": 0, "cut": 0} for v, _, _, _ in variants}  # fmt: skip
     try:
         for n, item in enumerate(items):
-            for v, context, middle in variants:  # alternating per item: drift hits all alike
-                runner.middle = middle
+            for v, context, middle, grid in variants:  # alternating per item: drift hits all
+                runner.middle, runner.block_lines = middle, grid
                 _score(runner, item, context, rows[v])
             print(f"  [{n + 1}/{len(items)}] {item['id']}", flush=True, file=sys.stderr)
     finally:
         runner.close()
     _report(rows, engine, args)
     return 0
+
+
+def _variants(
+    contexts: list[str], middles: list[str], grids: list[int]
+) -> list[tuple[str, str, str, int]]:
+    """``(label, context, middle, grid)``: a row per context, per middle and per block grid
+    where more than one is asked (grids apply to block middles only)."""
+    out = []
+    for c in contexts:
+        for m in middles:
+            for g in grids if m == "block" else grids[:1]:
+                label = c + (f"/{m}" if len(middles) > 1 else "")
+                label += f"/grid{g}" if m == "block" and len(grids) > 1 else ""
+                out.append((label, c, m, g))
+    return out
 
 
 def _score(runner: Runner, item: dict[str, Any], variant: str, r: dict[str, Any]) -> None:

@@ -107,21 +107,22 @@ def complete_prompt(
     top_uri: str = "",
     middle: str = "block",
     suffix_tokens: int = SUFFIX_TOKENS,
+    block_lines: int = BLOCK_LINES,
 ) -> CompletionPrompt:
-    """The prompt for a completion at ``offset`` of ``text``; a blank ``text`` gives an
-    empty prompt (nothing to complete: the caller answers with an empty completion), as does
-    an empty one below. FIM models get ``<prefix> P <suffix> S <middle> M`` (``M``: the
-    middle's start, see ``middle``, one of :data:`MIDDLES`). Models without FIM tokens get a
-    left-to-right prompt: with ``<file_sep>`` in the vocabulary, the ``snippets`` of other
-    files and then the current file, each under a ``<file_sep>path`` header as
-    repository-level training data is laid out; then the prefix, its last token backed off
-    for healing (``heal``). The prefix starts at an anchor (:func:`_anchored_prefix`). The
-    prompt holds at most ``context_tokens`` tokens (default: the model's whole context),
-    leaving room for ``max_tokens``; snippets get at most a third of it. The suffix the
-    model cannot see still ends the completion (``stop_lines``). ``top_uri``: the file, for
-    a model without FIM tokens at the top of a file (under :data:`TOP_TOKENS` tokens before
-    the cursor): it gets the ``<file_sep>path`` header (without it SmolLM2 answers
-    ``import `` with prose). ``suffix_tokens``: the most a FIM prompt's suffix holds."""
+    """The prompt for a completion at ``offset`` of ``text``; a blank ``text`` gives an empty
+    prompt (nothing to complete: the caller answers with an empty completion), as does an empty
+    one below. FIM models get ``<prefix> P <suffix> S <middle> M`` (``M``: the middle's start,
+    ``middle`` of :data:`MIDDLES`; ``block_lines``: a block middle's grid, :func:`block_start`).
+    Models without FIM tokens get a left-to-right prompt: with ``<file_sep>`` in the vocabulary,
+    the ``snippets`` of other files and then the current file, each under a ``<file_sep>path``
+    header as repository-level training data is laid out; then the prefix, its last token backed
+    off for healing (``heal``). The prefix starts at an anchor (:func:`_anchored_prefix`). The
+    prompt holds at most ``context_tokens`` tokens (default: the model's whole context), leaving
+    room for ``max_tokens``; snippets get at most a third of it. The suffix the model cannot see
+    still ends the completion (``stop_lines``). ``top_uri``: the file, for a model without FIM
+    tokens at the top of a file (under :data:`TOP_TOKENS` tokens before the cursor): it gets the
+    ``<file_sep>path`` header (without it SmolLM2 answers ``import `` with prose).
+    ``suffix_tokens``: the most a FIM prompt's suffix holds."""
     window = min(engine.max_length, context_tokens or engine.max_length)
     budget = min(window, engine.max_length - max_tokens - 1)
     if budget < 8:
@@ -129,7 +130,7 @@ def complete_prompt(
     if not text.strip():
         return CompletionPrompt([])
     line_start = text.rfind("\n", 0, offset) + 1
-    head_line = _middle_head(engine, text, line_start, offset, middle)
+    head_line = _middle_head(engine, text, line_start, offset, middle, block_lines)
     most = prefix_chars(engine, budget, bool(snippets), suffix_tokens)  # ends where M starts
     prefix_ids, fit = _anchored_prefix(engine, text, offset - len(head_line), most)
     after = text[offset : offset + budget * CHARS_PER_TOKEN_CAP]
@@ -179,7 +180,9 @@ def _anchored_prefix(
     return prefix_ids, fit
 
 
-def _middle_head(engine: TextModel, text: str, line_start: int, offset: int, middle: str) -> str:
+def _middle_head(
+    engine: TextModel, text: str, line_start: int, offset: int, middle: str, lines: int
+) -> str:
     """The text a FIM prompt's middle starts with: with ``middle = "line"``, the cursor
     line's text left of the cursor (the prefix then stops at the line's start, so the
     prompt only grows while the user types on the line); with ``"block"``, that and the
@@ -190,27 +193,27 @@ def _middle_head(engine: TextModel, text: str, line_start: int, offset: int, mid
     if engine.fim is None or middle == "cursor" or line_start == 0:
         return ""
     if middle == "block":
-        return text[block_start(text, line_start, offset) : offset]
+        return text[block_start(text, line_start, offset, lines) : offset]
     return text[line_start:offset] if offset - line_start <= LINE_HEAD_CHARS else ""
 
 
-def block_start(text: str, line_start: int, offset: int) -> int:
+def block_start(text: str, line_start: int, offset: int, lines: int = BLOCK_LINES) -> int:
     """Where a ``block`` middle starts for a cursor at ``offset`` on the line starting at
-    ``line_start``: at least :data:`BLOCK_LINES` lines above the cursor's (fewer near the
-    top of the file: never on the first line, which would leave the prefix empty), on a
-    grid of :data:`BLOCK_LINES` lines, so Enter at a line's end appends to the prompt
-    three times in four (the text after the cursor stays the same; with a ``line``
-    middle the prefix grows by the line and the whole suffix is fed again). Later line
-    starts where the block's text holds more than :data:`LINE_HEAD_CHARS` characters;
-    ``offset`` itself where even the cursor's line does.
+    ``line_start``: at least ``lines`` lines above the cursor's (fewer near the top of the
+    file: never on the first line, which would leave the prefix empty), on a grid of
+    ``lines`` lines, so Enter at a line's end appends to the prompt but one time in
+    ``lines`` (the text after the cursor stays the same; with a ``line`` middle the prefix
+    grows by the line and the whole suffix is fed again). Later line starts where the
+    block's text holds more than :data:`LINE_HEAD_CHARS` characters; ``offset`` itself
+    where even the cursor's line does.
 
     >>> text = "".join(f"l{i}\\n" for i in range(12))
-    >>> [text[block_start(text, text.index(f"l{n}"), text.index(f"l{n}")):].split()[0]
+    >>> [text[block_start(text, text.index(f"l{n}"), text.index(f"l{n}"), 4):].split()[0]
     ...  for n in (1, 4, 7, 8, 11)]
     ['l1', 'l1', 'l1', 'l4', 'l4']
     """
     n = text.count("\n", 0, line_start)
-    first = max(1, (n - BLOCK_LINES) // BLOCK_LINES * BLOCK_LINES) if n else 0
+    first = max(1, (n - lines) // lines * lines) if n else 0
     start = line_start
     for _ in range(n - first):
         above = text.rfind("\n", 0, start - 1) + 1
@@ -263,7 +266,7 @@ def file_runs(
     uri = doc.uri if req.context != "none" else ""
     cp = complete_prompt(engine, text, spans[0][2], req.max_tokens, req.context_tokens,
                          uri=uri, heal=False, middle=req.middle,
-                         suffix_tokens=req.suffix_tokens)  # fmt: skip
+                         suffix_tokens=req.suffix_tokens, block_lines=req.block_lines)  # fmt: skip
     head = cp.prompt_ids[: cp.prefix_at]
     # a prompt's prefix from an anchor holds at most this many tokens (a longer one
     # starts at a later anchor: complete_prompt's fit)
@@ -358,12 +361,9 @@ def repo_paths(uri: str, others: list[str]) -> tuple[str, str, list[str]]:
 
 
 CONTEXTS = ("none", "header", "crossfile")
-# where a FIM prompt's middle starts: "block", 4 to 7 lines above the cursor's
-# (block_start: the prompt only grows while the user types on the line or presses Enter
-# at its end, but one time in four); "line", at the start of the cursor's line (its text
-# left of the cursor follows <|fim_middle|>, healed; the prompt only grows while the user
-# types on the line); or "cursor" (the prefix ends at the cursor; every keystroke
-# re-feeds the suffix)
+# where a FIM prompt's middle starts: "block", lines above the cursor's on a grid
+# (block_start); "line", the cursor line's start (the prompt grows as the user types on
+# it); "cursor" (the prefix ends at the cursor; every keystroke re-feeds the suffix)
 MIDDLES = ("block", "line", "cursor")
 
 
@@ -378,7 +378,7 @@ class CompleteRequest:
     ``header``: under a ``<file_sep>path`` line, ``crossfile``: after snippets of the
     other recent documents); ``stop``: stop strings besides the line break; ``middle``:
     where a FIM prompt's middle starts, one of :data:`MIDDLES`; ``suffix_tokens``: the
-    most suffix tokens a FIM prompt carries.
+    most suffix tokens a FIM prompt carries; ``block_lines``: a block middle's grid.
     """
 
     offset: int
@@ -389,6 +389,7 @@ class CompleteRequest:
     stop: tuple[str, ...] = ()
     middle: str = "block"
     suffix_tokens: int = SUFFIX_TOKENS
+    block_lines: int = BLOCK_LINES
 
 
 def prepare_complete(
@@ -423,6 +424,7 @@ def prepare_complete(
         top_uri=doc.uri,
         middle=req.middle,
         suffix_tokens=req.suffix_tokens,
+        block_lines=req.block_lines,
     )
     stops = list(req.stop) if req.multiline else ["\n", "\r", *req.stop]
     tracker = TextTracker(

@@ -241,6 +241,7 @@ class Methods:
             context=srv.config.completion.context,
             middle=srv.config.completion.middle,
             suffix_tokens=srv.config.completion.suffix_tokens,
+            block_lines=srv.config.completion.block_lines,
         )
         try:
             prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
@@ -290,6 +291,7 @@ class Methods:
             context=srv.config.completion.context,
             middle=srv.config.completion.middle,
             suffix_tokens=srv.config.completion.suffix_tokens,
+            block_lines=srv.config.completion.block_lines,
             stop=tuple(p.stop),
         )
         prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
