@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from codespec.daemon.engine import cpu_gemm
 from codespec.daemon.engine.models import file_lock
 
 SDIST = "llama-cpp-python"
@@ -178,13 +179,7 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
     """ggml's x86 options for the features this CPU has. Not ``GGML_NATIVE``: on some VMs
     here the CPU advertises AMX that faults (SIGILL), so AMX stays off and every other
     feature is named explicitly."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            cpuinfo = ""
-    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
-    have = set(line.partition(":")[2].split())
+    have = cpu_gemm.cpu_flags() if cpuinfo is None else cpu_gemm.parse_flags(cpuinfo)
     flags = ["-DGGML_NATIVE=OFF", *(f"-DGGML_AMX_{x}=OFF" for x in ("TILE", "INT8", "BF16"))]
     if not have:  # not x86 Linux (or unreadable): ggml's portable defaults
         return flags

@@ -65,12 +65,16 @@ def cpu_flags() -> frozenset[str]:
     read); read once."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+            return parse_flags(f.read())
     except OSError:
-        pass
-    return frozenset()
+        return frozenset()
+
+
+def parse_flags(cpuinfo: str) -> frozenset[str]:
+    """The feature flags of ``/proc/cpuinfo``'s text (its first ``flags`` line; empty
+    without one: not x86 Linux)."""
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 def _precheck() -> str | None:
