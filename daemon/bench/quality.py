@@ -34,6 +34,8 @@ import textwrap
 from datetime import date
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from codespec.daemon.bench.decoding import add_engine_args, open_engine
 from codespec.daemon.bench.workload_items import load_workload
 from codespec.daemon.config import Completion, Limits
@@ -175,10 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in contexts if v not in CONTEXTS] + [m for m in middles if m not in MIDDLES]
     if bad:
         p.error(f"unknown variants {bad}; choose from {', '.join(CONTEXTS + MIDDLES)}")
-    grids = [g.strip() for g in args.block_lines.split(",") if g.strip()]
-    if not grids or not all(g.isdigit() and 1 <= int(g) <= 64 for g in grids):
-        p.error(f"--block-lines: whole numbers from 1 to 64, got {args.block_lines!r}")
-    variants = _variants(contexts, middles, [int(g) for g in grids])
+    try:  # each grid checked as the daemon's config checks it
+        grids = [msgspec.convert({"block_lines": int(g)}, Completion).block_lines
+                 for g in args.block_lines.split(",") if g.strip()]  # fmt: skip
+    except (ValueError, msgspec.ValidationError) as exc:
+        p.error(f"--block-lines {args.block_lines!r}: {exc}")
+    if not grids:
+        p.error("--block-lines: no grid given")
+    variants = _variants(contexts, middles, grids)
     items: list[dict[str, Any]] = []
     for path in args.workload:
         wl = [it for it in load_workload(path) if it.get("kind") in ("completion", "function")]

@@ -34,8 +34,9 @@ def build_cpu_kernels_meanwhile() -> threading.Thread:
     """Build (or load) the CPU kernels on a thread of their own, started now, while the
     caller finds, fetches or reads the model: on a first run the model's fetch (~40-50 s
     for the default) and the kernels' compile (~60-75 s on a 2-core VM) then overlap
-    instead of adding up. The runner's own first use of a kernel waits for its build (each library
-    builds once: ``codespec.native``); a build that fails says why there, as before."""
+    instead of adding up. The runner's own first use of a kernel waits for its build
+    (each library builds once: ``codespec.native``); a build that fails says why there,
+    as before."""
     thread = threading.Thread(
         target=lambda: (quant_gemm.library(), cpu_gemm.library()),
         name="codespec-kernels",

@@ -227,22 +227,31 @@ class Methods:
             pause if delay is None else delay, self._warm, uri, offset, runs_at
         )
 
+    def _complete_request(
+        self, offset: int, max_tokens: int, multiline: bool, stop: tuple[str, ...] = ()
+    ) -> completion.CompleteRequest:
+        """A completion at ``offset`` with the config's prompt settings: the same for a
+        request and for the warm-up that pre-fills its prompt."""
+        cfg = self.srv.config
+        return completion.CompleteRequest(
+            offset=offset,
+            max_tokens=max_tokens,
+            multiline=multiline,
+            context_tokens=cfg.limits.context_tokens,
+            context=cfg.completion.context,
+            stop=stop,
+            middle=cfg.completion.middle,
+            suffix_tokens=cfg.completion.suffix_tokens,
+            block_lines=cfg.completion.block_lines,
+        )
+
     def _warm(self, uri: str, offset: int, runs_at: int | None = None) -> None:
         self._warm_timers.pop(uri, None)
         srv = self.srv
         if uri not in srv.documents or srv.scheduler is None:
             return
         doc = srv.documents.get(uri)
-        req = completion.CompleteRequest(
-            offset=min(offset, len(doc.text)),
-            max_tokens=limits.LINE_TOKENS,
-            multiline=False,
-            context_tokens=srv.config.limits.context_tokens,
-            context=srv.config.completion.context,
-            middle=srv.config.completion.middle,
-            suffix_tokens=srv.config.completion.suffix_tokens,
-            block_lines=srv.config.completion.block_lines,
-        )
+        req = self._complete_request(min(offset, len(doc.text)), limits.LINE_TOKENS, False)
         try:
             prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
             runs = []
@@ -283,16 +292,8 @@ class Methods:
         params, speculation = self._sampling(p, limits.default_tokens(p.multiline))
         srv = self.srv
         doc = srv.documents.get(p.uri, p.version)
-        req = completion.CompleteRequest(
-            offset=doc.offset(p.position.as_dict()),
-            max_tokens=params.max_tokens,
-            multiline=p.multiline,
-            context_tokens=srv.config.limits.context_tokens,
-            context=srv.config.completion.context,
-            middle=srv.config.completion.middle,
-            suffix_tokens=srv.config.completion.suffix_tokens,
-            block_lines=srv.config.completion.block_lines,
-            stop=tuple(p.stop),
+        req = self._complete_request(
+            doc.offset(p.position.as_dict()), params.max_tokens, p.multiline, tuple(p.stop)
         )
         prep = completion.prepare_complete(srv.engine, srv.documents, srv.snippets, doc, req)
         if not prep.prompt_ids:  # a blank document: nothing to complete, not an error
