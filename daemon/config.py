@@ -34,6 +34,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     off_at = 32               # active requests at which speculation is switched off
     quantum_steps = 8         # decode steps a request runs before the next one's turn
     lead_step = true          # a cached prompt's last token and the first draft: one forward
+    recall = true             # greedy: a cached prompt's earlier choices, with no forward
 
     [completion]
     context = "none"          # none | header | crossfile (what precedes the prefix)
@@ -136,6 +137,10 @@ class Speculation(_Section):
     # draft proposed from the prompt in the forward that feeds that token, instead of a
     # prefill forward of that token alone and the first draft's forward after it.
     lead_step: bool = True
+    # Typing along the ghost text: a greedy request whose whole prompt the cache holds,
+    # with the tokens the model chose after it in an earlier request, takes those tokens
+    # from the cache slot with no forward (the same tokens a forward would choose).
+    recall: bool = True
 
     def __post_init__(self) -> None:
         if self.default not in ("auto", "off"):

@@ -15,7 +15,10 @@ One function per part of a request:
 - :meth:`Engine.stream`: the loop — propose, verify, yield a :class:`Step`, observe —
   with the id-level stop rules (a stop token, ``max_tokens``, cancellation). A prompt
   cached but its last token starts with a *lead step* (a verify step rooted at that
-  token, its draft proposed from the prompt) instead of a prefill.
+  token, its draft proposed from the prompt) instead of a prefill; a greedy prompt cached
+  whole, with the model's own choices after it from an earlier request (typing along the
+  ghost text), starts with those choices, read back from the cache slot with no forward
+  (``GenParams.recall``).
 
 The state other layers keep per loaded model is held here, so it goes with the model; the
 engine never reads it: :attr:`Engine.speculator_state` (the policy's memory, lookahead's
@@ -175,12 +178,16 @@ class Engine(ModelTarget):
         common = self._reuse(prompt, taps)
         return self._feed(prompt, common, taps), common
 
-    def _reuse(self, prompt: list[int], taps: tuple[int, ...], run: bool = False) -> int:
+    def _reuse(
+        self, prompt: list[int], taps: tuple[int, ...], run: bool = False, picked: bool = False
+    ) -> int:
         """Make the cache slot sharing most with ``prompt`` the active one (``run``: the
-        file run it is, :meth:`warm`) and cut it to the prompt's reusable prefix (never the
-        whole prompt): how many tokens it keeps. ``taps`` become :attr:`warm_taps`."""
+        file run it is, :meth:`warm`; ``picked``: it already is) and cut it to the prompt's
+        reusable prefix (never the whole prompt): how many tokens it keeps. ``taps``
+        become :attr:`warm_taps`."""
         self.warm_taps = taps
-        self.slots.pick(prompt, run=run)
+        if not picked:
+            self.slots.pick(prompt, run=run)
         common = self.slots.reusable(prompt, taps)
         self.runner.truncate(common)
         return common
@@ -210,7 +217,11 @@ class Engine(ModelTarget):
         kept in a slot requests copy from instead of writing into
         (:mod:`~codespec.daemon.engine.slots`)."""
         taps = self.warm_taps
-        common = self._reuse(prompt, taps, run=run)
+        self.slots.pick(prompt, run=run)
+        common = self.slots.reusable(prompt, taps)
+        if common >= len(prompt) - 1:  # nothing to feed: keep what follows (a recall's)
+            return common
+        self.runner.truncate(common)
         self.slots.record_prompt(prompt[:common], common, None)  # even if nothing is fed
         pos, end = common, len(prompt) - 1
         flag = getattr(self.runner, "interrupt", None)
@@ -287,7 +298,11 @@ class Engine(ModelTarget):
         base = self.runner.length - len(ids)
         self.runner.keep(kept)
         tokens = [root] + [draft.tokens[a] for a in accepted] if draft is not None else [root]
-        self.slots.record_step(base, tokens, fwd.hidden, kept)
+        nexts = None
+        if params.temperature <= 0:  # each kept row's choice: the next kept token, the bonus
+            nexts = [-1 if row in masks else tok
+                     for row, tok in zip(kept, [*tokens[1:], bonus], strict=True)]  # fmt: skip
+        self.slots.record_step(base, tokens, fwd.hidden, kept, nexts)
         return Verified(accepted, bonus, logits, fwd.hidden, ms, len(ids))
 
     def _argmax(self, logits: torch.Tensor, params: GenParams) -> list[int] | None:
@@ -331,20 +346,22 @@ class Engine(ModelTarget):
         the generator.
         """
         max_tokens = self._check(prompt_ids, params)
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        gen = params.generator()
         prompt = list(prompt_ids)
         t0 = time.perf_counter()
         if proposer is not None:
             proposer.begin(info or RequestInfo(prompt, temperature=params.temperature,
                                                max_tokens=max_tokens))  # fmt: skip
         taps: tuple[int, ...] = tuple(getattr(proposer, "taps", ()) or ())
-        common = self._reuse(prompt, taps)
+        self.slots.pick(prompt)
+        recalled = self._recall(prompt, params, taps, max_tokens)
+        common = len(prompt) - 1 if recalled else self._reuse(prompt, taps, picked=True)
         stats = Stats(prompt_tokens=len(prompt), cached_tokens=common)
         out: list[int] = []
-        if params.lead_step and proposer is not None and not taps and common == len(prompt) - 1:
+        if recalled:  # the model's own choices after this prompt, from the cache slot
+            stats.recalled = len(recalled)
+            new, accepted_n, drafted_n = recalled, 0, 0
+        elif params.lead_step and proposer is not None and not taps and common == len(prompt) - 1:
             # all but the prompt's last token cached (a keystroke): that token is the first
             # step's root and the draft starts from the prompt, so the forward that would
             # only have fed it verifies a draft too (a proposer reading taps gets its
@@ -373,6 +390,29 @@ class Engine(ModelTarget):
                 return
             new, accepted_n, drafted_n = self._step(new[-1], prompt + out, out, params, proposer,
                                                     gen, taps, max_tokens, stats)  # fmt: skip
+
+    def _recall(
+        self, prompt: list[int], params: GenParams, taps: tuple[int, ...], max_tokens: int
+    ) -> list[int]:
+        """The tokens the model chose after ``prompt`` before (:meth:`CacheSlots.recall`),
+        for greedy requests with ``params.recall`` and no taps; through a stop token, at
+        most ``max_tokens``, and not from a token ``params.constraint`` forbids (where it
+        allows the unconstrained choice, that is the constrained one too). The cache keeps
+        the prompt and all of them but the last (the next forward's root)."""
+        if not params.recall or params.temperature > 0 or taps:
+            return []
+        self.warm_taps = taps
+        out: list[int] = []
+        for tok in self.slots.recall(prompt, max_tokens):
+            mask = params.constraint(out) if params.constraint is not None else None
+            if mask is not None and not bool(mask[tok]):
+                break
+            out.append(tok)
+            if tok in self.stop_ids:
+                break
+        if out:
+            self.slots.keep(len(prompt) + len(out) - 1)
+        return out
 
     def _step(
         self,
@@ -426,6 +466,8 @@ class Engine(ModelTarget):
             logits = logits.masked_fill(~mask, float("-inf"))
         best = self._argmax(logits, params)
         _, first = verify(None, logits, params.temperature, params.top_p, gen, best)
+        if params.temperature <= 0 and mask is None:  # the model's own choice there
+            self.slots.note_next(len(prompt) - 1, first)
         return first
 
     def _cut(self, new: list[int], out: list[int], max_tokens: int) -> tuple[list[int], str]:

@@ -34,6 +34,19 @@ class GenParams:
     # A prompt cached but its last token: the first forward feeds that token and verifies a
     # draft proposed from the prompt (Engine.stream's lead step); False: a prefill first.
     lead_step: bool = True
+    # Greedy and the whole prompt cached with the model's own choices after it (typing
+    # along the last completion): those choices are taken from the cache slot, with no
+    # forward (Engine.stream; they are what the model chose there before, so the output
+    # is the same). False: every token comes from a forward of this request.
+    recall: bool = False
+
+    def generator(self) -> torch.Generator | None:
+        """Sampling's random stream, seeded by ``seed`` (None when greedy)."""
+        if self.temperature <= 0:
+            return None
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return gen
 
 
 @dataclass
@@ -49,6 +62,8 @@ class Stats:
     - ``lead_steps``: turns whose first forward was a verify step rooted at the prompt's
       last token (all the rest of the prompt cached): no prefill forward gave their first
       token, so ``target_forwards`` is ``decode_steps`` there.
+    - ``recalled``: tokens taken from the cache slot, where the model had chosen them
+      after this prompt before (``GenParams.recall``), with no forward.
     """
 
     prompt_tokens: int = 0
@@ -57,6 +72,7 @@ class Stats:
     target_forwards: int = 0
     decode_steps: int = 0
     lead_steps: int = 0
+    recalled: int = 0
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
     prefill_ms: float = 0.0
@@ -93,6 +109,7 @@ class Stats:
         self.target_forwards += turn.target_forwards
         self.decode_steps += turn.decode_steps
         self.lead_steps += turn.lead_steps
+        self.recalled += turn.recalled
         self.prefill_ms += turn.prefill_ms
         for mine, theirs in ((self.drafted, turn.drafted), (self.accepted, turn.accepted)):
             for k, v in theirs.items():
@@ -105,6 +122,7 @@ class Stats:
             "tokens": self.tokens,
             "target_forwards": self.target_forwards,
             "lead_steps": self.lead_steps,
+            "recalled": self.recalled,
             "tokens_per_forward": round(self.tokens_per_forward, 3),
             "mean_accepted_no_bonus": round(self.mean_accepted, 3),
             "drafted": dict(self.drafted),

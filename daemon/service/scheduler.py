@@ -395,6 +395,7 @@ class Scheduler:
             max_draft=max(1, max_draft),
             constraint=_resumed(p.constraint, list(job.out_ids)),
             lead_step=self.cfg.lead_step,
+            recall=self.cfg.recall,
         )
         info = RequestInfo(
             prompt_ids=job.prompt_ids + job.out_ids,

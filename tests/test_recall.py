@@ -1,0 +1,137 @@
+"""Recall: a greedy request whose whole prompt a cache slot holds, with the model's own
+choices after it from an earlier request (typing along the ghost text), takes those
+choices with no forward, and its output is what a cold request gives: healing included,
+across slots and warm-ups; never for sampling, nor where ``GenParams.recall`` is off."""
+
+from __future__ import annotations
+
+import pytest
+
+from codespec.daemon.config import Speculation
+from codespec.daemon.engine.engine import GenParams
+from codespec.daemon.service.scheduler import Job, Scheduler
+from codespec.daemon.text.healing import Healing, constraint, heal_prompt
+from codespec.speculators.registry import make_proposer
+
+PROMPT = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul("
+OTHER = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push("
+
+
+def run(engine, prompt, params, method="off"):
+    """(output ids, the first step's ids, the final stats) of one request."""
+    proposer = None if method == "off" else make_proposer(method, engine)
+    out, first, stats = [], None, None
+    for step in engine.stream(prompt, params, proposer):
+        first = step.token_ids if first is None else first
+        out += step.token_ids
+        stats = step.stats
+    assert stats is not None and first is not None
+    return out, first, stats
+
+
+def cold(engine, prompt, params):
+    """What the model alone gives: an empty cache, every token from a forward."""
+    engine.reset_cache()
+    p = GenParams(max_tokens=params.max_tokens, constraint=params.constraint, recall=False)
+    out, _, stats = run(engine, prompt, p)
+    assert stats.recalled == 0
+    return out, stats
+
+
+@pytest.mark.parametrize("method", ["off", "auto"])
+def test_typing_along_the_output_takes_it_from_the_cache(engine, method):
+    prompt = engine.encode(PROMPT)
+    params = GenParams(max_tokens=12, recall=True)
+    first, _ = cold(engine, prompt, params)
+    assert len(first) == 12 and not set(first) & engine.stop_ids
+    wants = {k: cold(engine, prompt + first[:k], params) for k in (1, 4, 7)}
+    engine.reset_cache()
+    run(engine, prompt, params, method)
+    end = 12  # the model's choices are cached through the last request's output
+    for k, (want, want_stats) in wants.items():
+        got, step, stats = run(engine, prompt + first[:k], params, method)
+        assert got == want
+        assert stats.recalled == end - k  # all the last request chose after that prompt
+        assert step == got[: end - k]  # the first step, before any forward
+        assert stats.target_forwards < want_stats.target_forwards
+        end = k + 12
+
+
+def test_a_replay_recalls_all_and_recall_off_recalls_nothing(engine):
+    prompt = engine.encode(PROMPT)
+    want, _ = cold(engine, prompt, GenParams(max_tokens=8))
+    got, step, stats = run(engine, prompt, GenParams(max_tokens=8, recall=True))
+    assert got == want == step and stats.recalled == 8 and stats.target_forwards == 0
+    got, _, stats = run(engine, prompt, GenParams(max_tokens=8, recall=False))
+    assert got == want and stats.recalled == 0 and stats.target_forwards > 0
+
+
+def test_sampling_never_recalls(engine):
+    prompt = engine.encode(PROMPT)
+    cold(engine, prompt, GenParams(max_tokens=8))
+    params = GenParams(max_tokens=8, temperature=0.8, seed=1, recall=True)
+    _, _, stats = run(engine, prompt, params)
+    assert stats.recalled == 0
+
+
+def test_a_healed_prompt_recalls_what_its_constraint_allows(engine):
+    """A keystroke inside a token: healing backs the prompt off to the cached one and asks
+    the output to regrow the typed text; the model's choice there regrows it, so it is
+    recalled. A constraint it does not meet stops the recall before it."""
+    prompt = engine.encode(PROMPT)
+    first, _ = cold(engine, prompt, GenParams(max_tokens=10))
+    typed = prompt + first[:3]
+    ids, heal = heal_prompt(engine, typed)
+    assert ids == prompt + first[:2] and heal
+    params = GenParams(max_tokens=10, constraint=constraint(engine, heal), recall=True)
+    want, _ = cold(engine, ids, params)
+    engine.reset_cache()
+    run(engine, prompt, GenParams(max_tokens=10))
+    got, _, stats = run(engine, ids, params)
+    assert got == want and stats.recalled == 8
+    texts = engine.token_texts.text
+    wrong = next(t for t in ("\u00a7", "\u00b6", "zq") if not (texts[first[2]] or "").startswith(t))
+    params = GenParams(max_tokens=10, constraint=Healing(engine.token_texts, wrong), recall=True)
+    want, _ = cold(engine, ids, params)
+    engine.reset_cache()
+    run(engine, prompt, GenParams(max_tokens=10))
+    got, _, stats = run(engine, ids, params)
+    assert got == want and stats.recalled == 0
+
+
+def test_recall_survives_another_slot_and_a_warm_up(engine):
+    """Another document's request parks the slot (its choices go with it), and a warm-up
+    of a prompt the slot holds whole feeds nothing and cuts nothing."""
+    prompt, other = engine.encode(PROMPT), engine.encode(OTHER)
+    first, _ = cold(engine, prompt, GenParams(max_tokens=10))
+    want, _ = cold(engine, prompt + first[:2], GenParams(max_tokens=10))
+    engine.reset_cache()
+    params = GenParams(max_tokens=10, recall=True)
+    run(engine, prompt, params)
+    run(engine, other, params)
+    assert engine.warm(prompt + first[:2], lambda: False) == len(prompt) + 1
+    got, _, stats = run(engine, prompt + first[:2], params)
+    assert got == want and stats.recalled == 8
+
+
+def test_the_daemon_recalls_by_its_config(engine):
+    """The scheduler hands ``[speculation] recall`` to the engine: on, a request typing
+    along the last one's output recalls it; off, it does not; the text is the same."""
+    prompt = engine.encode(PROMPT)
+    texts, recalled = [], []
+    for on in (True, False):
+        s = Scheduler(engine, None, Speculation(recall=on), max_queue=4)
+        s.start()
+        try:
+            engine.reset_cache()
+            a = Job(prompt, GenParams(max_tokens=12), "auto")
+            out = s.submit(a).result(60)
+            assert out.stats["recalled"] == 0
+            b = s.submit(Job(prompt + a.out_ids[:3], GenParams(max_tokens=12), "auto"))
+            r = b.result(60)
+            texts.append(r.text)
+            recalled.append(r.stats["recalled"])
+        finally:
+            s.stop()
+    assert texts[0] == texts[1]
+    assert recalled == [9, 0]
