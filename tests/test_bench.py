@@ -429,3 +429,19 @@ def test_latency_typist_pauses_after_each_spot_when_told(daemon, monkeypatch):
     out = latency.typing_latency(daemon.socket_path, [text], "off", 0.0, per_file=2, gap_s=0.25)
     n = len(latency.spots([text], 2))
     assert slept.count(0.25) == n and out["jump"]["n"] >= 1
+
+
+def test_latency_traces_each_request_and_counts_the_recalled(daemon):
+    """``bench latency --trace``: a record per typing request with its kind and the
+    daemon's stats; each kind's ``recalled`` counts the requests whose stats recalled."""
+    from codespec.daemon.bench import latency
+
+    text = "\n".join(f"def a{i}(x):\n    '''doc'''\n    value = x * {i} + 100\n" for i in range(6))
+    trace: list[dict] = []
+    out = latency.typing_latency(daemon.socket_path, [text], "off", 0.0, per_file=2, trace=trace)
+    assert len(trace) == out["all"]["n"] > 0
+    assert {r["kind"] for r in trace} == set(out) - {"all"}
+    assert all("recalled" in r["stats"] and r["final_ms"] >= r["first_ms"] for r in trace)
+    for kind in out:
+        rows = [r for r in trace if kind in ("all", r["kind"])]
+        assert out[kind]["recalled"] == sum(r["stats"]["recalled"] > 0 for r in rows)

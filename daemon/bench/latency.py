@@ -134,6 +134,8 @@ class Typist:
         self.versions = [0] * len(texts)
         self.first: dict[str, list[float]] = {}
         self.final: dict[str, list[float]] = {}
+        self.recalled: dict[str, int] = {}  # requests that began with recalled tokens
+        self.trace: list[dict] = []  # per request: kind, times, the daemon's stats
         for f, text in enumerate(texts):
             c.request("open", {"uri": self.uri(f), "text": text, "version": 0})
 
@@ -154,12 +156,16 @@ class Typist:
                   "max_tokens": 16, "stream": True}  # fmt: skip
         if self.speculation is not None:  # else the daemon's default
             params["speculation"] = self.speculation
-        self.c.request(
+        r = self.c.request(
             "complete", params, lambda _f: got.append(time.perf_counter()) if not got else None
         )
         t1 = time.perf_counter()
         self.final.setdefault(kind, []).append((t1 - t0) * 1000)
         self.first.setdefault(kind, []).append(((got[0] if got else t1) - t0) * 1000)
+        stats = r.get("stats", {}) if isinstance(r, dict) else {}
+        self.recalled[kind] = self.recalled.get(kind, 0) + (stats.get("recalled", 0) > 0)
+        self.trace.append({"kind": kind, "first_ms": round(self.first[kind][-1], 1),
+                           "final_ms": round(self.final[kind][-1], 1), "stats": stats})  # fmt: skip
         time.sleep(max(0.0, self.pause_s - (t1 - t0)))  # the typist's own pace
 
     def retype(self, spot: Spot, kind: str) -> None:
@@ -190,13 +196,16 @@ def typing_latency(
     pause_s: float,
     per_file: int = 4,
     gap_s: float = 0.0,
+    trace: list[dict] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Replay typing at real spots (see :func:`spots`), pausing ``gap_s`` after each spot
     before the next (a programmer reading): per kind of keystroke —
     ``open`` (the first spot, right after the files are opened), ``jump`` (another
     function of the same file), ``file`` (another file), ``typing`` (characters),
     ``newline`` (Enter at the end of a line) — and ``all``, the time to the first
-    streamed piece (the first ghost-text line) and to the final result."""
+    streamed piece (the first ghost-text line) and to the final result, and how many
+    requests began with tokens the daemon recalled (``[speculation] recall``). ``trace``
+    gets a record per request."""
     with Client(sock) as c:
         t = Typist(c, texts, speculation, pause_s)
         prev = None
@@ -208,6 +217,8 @@ def typing_latency(
             time.sleep(gap_s)
         for f in range(len(texts)):
             c.request("close", {"uri": t.uri(f)})
+    if trace is not None:
+        trace.extend(t.trace)
     out = {}
     every_first = [x for xs in t.first.values() for x in xs]
     every_final = [x for xs in t.final.values() for x in xs]
@@ -215,6 +226,7 @@ def typing_latency(
                                ("all", every_first, every_final)]:  # fmt: skip
         out[kind] = {
             "n": len(final),
+            "recalled": sum(t.recalled.values()) if kind == "all" else t.recalled[kind],
             "first_p50_ms": percentile(first, 0.5),
             "first_p99_ms": percentile(first, 0.99),
             "final_p50_ms": percentile(final, 0.5),
@@ -314,9 +326,10 @@ def mean_latency(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str,
     out: dict[str, dict[str, float]] = {}
     for kind in runs[0] if runs else {}:
         rows = [run[kind] for run in runs if kind in run]
-        merged: dict[str, Any] = {"n": sum(r["n"] for r in rows)}
+        merged: dict[str, Any] = {k: sum(r.get(k, 0) for r in rows)
+                                  for k in ("n", "recalled") if k in rows[0]}  # fmt: skip
         for key in rows[0]:
-            if key != "n":
+            if key not in merged:
                 merged[key] = statistics.fmean(r[key] for r in rows)
         merged["runs_first_p50_ms"] = [round(r["first_p50_ms"], 1) for r in rows]
         out[kind] = merged
@@ -342,20 +355,32 @@ def compare_configs(
         raise SystemExit("codespec bench latency: the config files need distinct names")
     runs: dict[str, list] = {n: [] for n in names}
     status: dict = {}
+    traces: dict[str, list[dict]] = {}
     for name in ab_order(names, args.rounds):  # a fresh daemon per run: nothing cached
         path = paths[names.index(name)]
         proc, sock, _ = start_daemon(args.threads, [*extra, "--config", str(path)])
         try:
             read_page(sock)  # [view] enabled: a page reads it, as a browser tab
+            trace = traces.setdefault(name, [])
             runs[name].append(typing_latency(sock, texts, None, args.pause_ms / 1000, args.spots,
-                                         args.gap_ms / 1000))  # fmt: skip
+                                             args.gap_ms / 1000, trace))  # fmt: skip
             if name == names[0] and not status:
                 with Client(sock) as c:
                     status = c.request("stats")
         finally:
             proc.terminate()
             proc.wait(30)
+    write_trace(args.trace, traces)
     return {name: mean_latency(r) for name, r in runs.items()}, status
+
+
+def write_trace(path: str | None, traces: dict[str, list[dict]]) -> None:
+    """``--trace``: a JSON line per request (the config or method, the kind of keystroke,
+    the times, the daemon's stats), to see what the slow ones had to do."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            for name, records in traces.items():
+                f.writelines(json.dumps({"run": name, **r}) + "\n" for r in records)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=2, help="throughput rounds, alternating which method is first"
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads of a started daemon")
+    p.add_argument("--trace", default=None, help="write a JSON line per typing request here")
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"], help="device")
     p.add_argument("--model", default=None, help="model of a started daemon (default: default)")
     p.add_argument(
@@ -396,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     lat: dict[str, Any] = {}
     status: dict[str, Any] = {}
+    traces: dict[str, list[dict]] = {}
     proc = None
     try:
         for spec in ("auto", "off"):  # a fresh daemon per method: equal, cold caches
@@ -404,9 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(30)
             proc, sock, _ = (None, args.socket, "") if args.socket else start_daemon(
                 args.threads, extra)  # fmt: skip
-            lat[spec] = typing_latency(
-                sock, texts, spec, args.pause_ms / 1000, args.spots, args.gap_ms / 1000
-            )
+            lat[spec] = typing_latency(sock, texts, spec, args.pause_ms / 1000, args.spots,
+                                       args.gap_ms / 1000, traces.setdefault(spec, []))  # fmt: skip
             if spec == "auto":  # the proposers' figures of the auto daemon
                 with Client(sock) as c:
                     status = c.request("stats")
@@ -414,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    write_trace(args.trace, traces)
     tp = throughput_runs(args, extra)
     report(files, lat, tp, status)
     return 0
@@ -449,12 +476,13 @@ def report(
           f"{status.get('device')}, {time.strftime('%Y-%m-%d')}")  # fmt: skip
     print("latency of single-line complete (<= 16 tokens, streamed) while typing, ms")
     head = f"{label:<12}{'keystroke':<10}{'n':>5}{'first p50':>11}{'first p99':>11}"
-    print(head + f"{'final p50':>11}{'final p99':>11}")
+    print(head + f"{'final p50':>11}{'final p99':>11}{'recalled':>10}")
     for spec, kinds in lat.items():
         for kind, r in kinds.items():
             print(
                 f"{spec:<12}{kind:<10}{r['n']:>5}{r['first_p50_ms']:>11.1f}"
                 f"{r['first_p99_ms']:>11.1f}{r['final_p50_ms']:>11.1f}{r['final_p99_ms']:>11.1f}"
+                f"{r.get('recalled', 0):>10}"
             )
     if tp["off"]:
         print("throughput of multi-line complete (64 tokens), tokens/s")
