@@ -135,3 +135,27 @@ def test_the_daemon_recalls_by_its_config(engine):
             s.stop()
     assert texts[0] == texts[1]
     assert recalled == [9, 0]
+
+
+@pytest.mark.parametrize("first_step", ["prefill", "lead"])
+def test_a_healed_request_keeps_the_unconstrained_choice(engine, first_step):
+    """Typing inside one token asks again with the same backed-off prompt: the first
+    request's constrained rows (its prefill's, or its lead step's root row) keep the
+    model's unconstrained choice, so the next one, with a longer backed-off text that the
+    choice still regrows, recalls it."""
+    prompt = engine.encode(PROMPT)
+    first, _ = cold(engine, prompt, GenParams(max_tokens=12))
+    texts = engine.token_texts.text
+    k = next(i for i in range(2, 12) if len(texts[first[i]] or "") >= 2)
+    ids, whole = prompt + first[:k], texts[first[k]]
+    assert whole
+    typed = [Healing(engine.token_texts, whole[:1]), Healing(engine.token_texts, whole)]
+    want, _ = cold(engine, ids, GenParams(max_tokens=10, constraint=typed[1]))
+    engine.reset_cache()
+    if first_step == "lead":  # the prompt cached: the constrained request's lead step
+        run(engine, ids, GenParams(max_tokens=10))
+    params = GenParams(max_tokens=10, constraint=typed[0])
+    _, _, stats = run(engine, ids, params, "off" if first_step == "prefill" else "auto")
+    assert stats.lead_steps == (first_step == "lead")
+    got, step, stats = run(engine, ids, GenParams(max_tokens=10, constraint=typed[1], recall=True))
+    assert got == want and stats.recalled == 10 and step == want

@@ -420,9 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         lat, status = compare_configs(args, texts, extra)
         report(files, lat, {"auto": {}, "off": {}}, status, "config")
         return 0
-    lat: dict[str, Any] = {}
-    status: dict[str, Any] = {}
-    traces: dict[str, list[dict]] = {}
+    lat, status, traces = {}, {}, {}  # per method its latency and trace; auto's stats
     proc = None
     try:
         for spec in ("auto", "off"):  # a fresh daemon per method: equal, cold caches

@@ -56,6 +56,7 @@ from codespec.daemon.engine.request import (
     Stats,
     Step,
     Verified,
+    cut,
     row_masks,
 )
 from codespec.daemon.engine.slots import CacheSlots
@@ -285,9 +286,12 @@ class Engine(ModelTarget):
         t0 = time.perf_counter()
         fwd = self.runner.forward(ids, parents, taps=taps, greedy=greedy)  # (<= T, V)
         logits, best = fwd.logits, fwd.best if params.temperature <= 0 else None
+        free: dict[int, int] = {}  # a masked row's unconstrained choice, for recall
         if masks:
             logits = logits.clone()
             for row, mask in masks.items():
+                if params.temperature <= 0:
+                    free[row] = self._choice(logits[row : row + 1], params)
                 logits[row].masked_fill_(~mask, float("-inf"))
             best = None
         if best is None:
@@ -300,8 +304,8 @@ class Engine(ModelTarget):
         tokens = [root] + [draft.tokens[a] for a in accepted] if draft is not None else [root]
         nexts = None
         if params.temperature <= 0:  # each kept row's choice: the next kept token, the bonus
-            nexts = [-1 if row in masks else tok
-                     for row, tok in zip(kept, [*tokens[1:], bonus], strict=True)]  # fmt: skip
+            chosen = zip(kept, [*tokens[1:], bonus], strict=True)
+            nexts = [free.get(row, tok) for row, tok in chosen]
         self.slots.record_step(base, tokens, fwd.hidden, kept, nexts)
         return Verified(accepted, bonus, logits, fwd.hidden, ms, len(ids))
 
@@ -378,7 +382,7 @@ class Engine(ModelTarget):
             stats.prefill_ms = (time.perf_counter() - t0) * 1000
             new, accepted_n, drafted_n = [first], 0, 0
         while True:
-            new, finish = self._cut(new, out, max_tokens)
+            new, finish = cut(new, out, max_tokens, self.stop_ids)
             stats.tokens = len(out) + (1 if finish == "stop" else 0)
             if not finish and cancel is not None and cancel.is_set():
                 finish = "cancelled"
@@ -462,24 +466,20 @@ class Engine(ModelTarget):
         if proposer is not None and taps and hasattr(proposer, "prefilled"):
             proposer.prefilled(self.prompt_hidden(len(prompt)))
         mask = params.constraint([]) if params.constraint is not None else None
+        free = -1  # the model's unconstrained greedy choice there, for recall
         if mask is not None:  # healing: the first token regrows the backed-off text
+            free = self._choice(logits, params) if params.temperature <= 0 else -1
             logits = logits.masked_fill(~mask, float("-inf"))
         best = self._argmax(logits, params)
         _, first = verify(None, logits, params.temperature, params.top_p, gen, best)
-        if params.temperature <= 0 and mask is None:  # the model's own choice there
-            self.slots.note_next(len(prompt) - 1, first)
+        greedy_free = mask is None and params.temperature <= 0
+        self.slots.note_next(len(prompt) - 1, first if greedy_free else free)
         return first
 
-    def _cut(self, new: list[int], out: list[int], max_tokens: int) -> tuple[list[int], str]:
-        """Append a step's tokens to ``out`` in order until a stop token (``stop``) or
-        ``max_tokens`` (``length``) ends the request; the step's tokens through that one."""
-        for used, tok in enumerate(new, 1):
-            if tok in self.stop_ids:
-                return new[:used], "stop"
-            out.append(tok)
-            if len(out) >= max_tokens:
-                return new[:used], "length"
-        return new, ""
+    def _choice(self, row: torch.Tensor, params: GenParams) -> int:
+        """The greedy choice of one row of logits ``(1, V)``."""
+        best = self._argmax(row, params)
+        return best[0] if best is not None else int(row[0].argmax())
 
     def generate(
         self,

@@ -7,7 +7,7 @@ touch: models, caches, proposers, text (the healing constraint arrives as a mask
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -160,6 +160,20 @@ class Verified:
     hidden: torch.Tensor | None
     forward_ms: float
     forward_tokens: int
+
+
+def cut(
+    new: list[int], out: list[int], max_tokens: int, stop_ids: Collection[int]
+) -> tuple[list[int], str]:
+    """Append a step's tokens to ``out`` in order until a stop token (``stop``) or
+    ``max_tokens`` (``length``) ends the request; the step's tokens through that one."""
+    for used, tok in enumerate(new, 1):
+        if tok in stop_ids:
+            return new[:used], "stop"
+        out.append(tok)
+        if len(out) >= max_tokens:
+            return new[:used], "length"
+    return new, ""
 
 
 def row_masks(
