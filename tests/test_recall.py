@@ -6,6 +6,7 @@ across slots and warm-ups; never for sampling, nor where ``GenParams.recall`` is
 from __future__ import annotations
 
 import pytest
+import torch
 
 from codespec.daemon.config import Speculation
 from codespec.daemon.engine.engine import GenParams
@@ -159,3 +160,53 @@ def test_a_healed_request_keeps_the_unconstrained_choice(engine, first_step):
     assert stats.lead_steps == (first_step == "lead")
     got, step, stats = run(engine, ids, GenParams(max_tokens=10, constraint=typed[1], recall=True))
     assert got == want and stats.recalled == 10 and step == want
+
+
+def test_a_narrower_constraint_recalls_the_constrained_choice(engine):
+    """The model's own choice does not regrow the typed text, the choice under the first
+    keystroke's mask does: a second keystroke inside the same token (a narrower mask
+    that still allows that choice) recalls it and what followed; a mask that is not
+    narrower does not."""
+    prompt = engine.encode(PROMPT)
+    first, _ = cold(engine, prompt, GenParams(max_tokens=1))
+    texts = engine.token_texts
+    start = next(c for c in "xqzjkv" if not (texts.text[first[0]] or "").startswith(c))
+    params = GenParams(max_tokens=8, constraint=Healing(texts, start))
+    chosen, _ = cold(engine, prompt, params)
+    whole = texts.text[chosen[0]]
+    assert whole and whole.startswith(start)
+    narrower = GenParams(max_tokens=8, constraint=Healing(texts, whole), recall=True)
+    want, _ = cold(engine, prompt, narrower)
+    engine.reset_cache()
+    run(engine, prompt, params)
+    got, step, stats = run(engine, prompt, narrower)
+    assert got == want and stats.recalled == 8 and step == want
+    other = next(c for c in "xqzjkv" if c != start)
+    wider = GenParams(max_tokens=8, constraint=Healing(texts, other), recall=True)
+    want, _ = cold(engine, prompt, wider)
+    engine.reset_cache()
+    run(engine, prompt, params)
+    got, _, stats = run(engine, prompt, wider)
+    assert got == want and stats.recalled == 0
+
+
+def test_choices_hold_free_and_masked_choices_and_keep_the_latest_masks():
+    from codespec.daemon.engine.choices import KEEP_MASKED, Choices
+
+    def mask(*ids: int) -> torch.Tensor:
+        m = torch.zeros(8, dtype=torch.bool)
+        m[list(ids)] = True
+        return m
+
+    c = Choices([3, -1, 5])
+    assert c.at(0, None) == 3 and c.at(0, mask(3, 4)) == 3 and c.at(0, mask(4)) == -1
+    assert c.at(1, None) == -1 and c.at(7, None) == -1
+    c.note(1, 6, mask(1, 2, 7), 2)  # unconstrained 6; under {1, 2, 7}: 2
+    assert c.at(1, None) == 6 and c.at(1, mask(2, 7)) == 2 and c.at(1, mask(2)) == 2
+    assert c.at(1, mask(2, 4)) == -1  # 4 was not in the mask the choice was made under
+    assert c.at(1, mask(1, 7)) == -1  # the choice made is not allowed
+    assert c.copy(1).free == [3] and not c.copy(1).masked and c.copy(2).masked
+    c.cut(1, 3)
+    assert c.free == [3, -1, -1] and not c.masked
+    c.extend([1] * (KEEP_MASKED + 2), {p: (mask(0), 0) for p in range(3, KEEP_MASKED + 5)})
+    assert sorted(c.masked) == list(range(5, KEEP_MASKED + 5))

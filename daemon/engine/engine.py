@@ -20,12 +20,10 @@ One function per part of a request:
   ghost text), starts with those choices, read back from the cache slot with no forward
   (``GenParams.recall``).
 
-The state other layers keep per loaded model is held here, so it goes with the model; the
-engine never reads it: :attr:`Engine.speculator_state` (the policy's memory, lookahead's
-pools, the loaded EAGLE heads: :class:`~codespec.speculators.target.SpeculatorState`,
-filled by the speculators), :attr:`Engine.token_texts` (token healing's table) and
-:attr:`Engine.prefix_encoder` (the per-keystroke prefix tokenization), both built from
-the tokenizer on first use.
+State other layers keep per loaded model is held here (the engine never reads it):
+:attr:`Engine.speculator_state` (the policy's memory, lookahead's pools, EAGLE heads:
+:class:`~codespec.speculators.target.SpeculatorState`), :attr:`Engine.token_texts` (token
+healing's table), :attr:`Engine.prefix_encoder` (the per-keystroke prefix tokenization).
 
 Must not touch: sockets, documents, editors, text. Not thread-safe: the daemon
 serialises access to it (``Engine.lock``).
@@ -42,6 +40,7 @@ from functools import cached_property
 import torch
 
 from codespec.daemon.engine import models
+from codespec.daemon.engine.choices import Choices
 from codespec.daemon.engine.loading import (
     ModelLoadError,
     build_cpu_kernels_meanwhile,
@@ -302,11 +301,13 @@ class Engine(ModelTarget):
         base = self.runner.length - len(ids)
         self.runner.keep(kept)
         tokens = [root] + [draft.tokens[a] for a in accepted] if draft is not None else [root]
-        nexts = None
+        choices = None
         if params.temperature <= 0:  # each kept row's choice: the next kept token, the bonus
-            chosen = zip(kept, [*tokens[1:], bonus], strict=True)
-            nexts = [free.get(row, tok) for row, tok in chosen]
-        self.slots.record_step(base, tokens, fwd.hidden, kept, nexts)
+            chosen = list(zip(kept, [*tokens[1:], bonus], strict=True))
+            choices = Choices([free.get(row, tok) for row, tok in chosen],
+                              {k: (masks[row], tok) for k, (row, tok) in enumerate(chosen)
+                               if row in masks})  # fmt: skip
+        self.slots.record_step(base, tokens, fwd.hidden, kept, choices)
         return Verified(accepted, bonus, logits, fwd.hidden, ms, len(ids))
 
     def _argmax(self, logits: torch.Tensor, params: GenParams) -> list[int] | None:
@@ -398,22 +399,23 @@ class Engine(ModelTarget):
     def _recall(
         self, prompt: list[int], params: GenParams, taps: tuple[int, ...], max_tokens: int
     ) -> list[int]:
-        """The tokens the model chose after ``prompt`` before (:meth:`CacheSlots.recall`),
-        for greedy requests with ``params.recall`` and no taps; through a stop token, at
-        most ``max_tokens``, and not from a token ``params.constraint`` forbids (where it
-        allows the unconstrained choice, that is the constrained one too). The cache keeps
-        the prompt and all of them but the last (the next forward's root)."""
+        """The model's choices after ``prompt`` in the active slot (:mod:`.choices`), where
+        it holds the whole prompt, for greedy requests with ``params.recall`` and no taps:
+        each under ``params.constraint``'s mask there, through a stop token, at most
+        ``max_tokens``. The cache keeps all of them but the last (the next root)."""
         if not params.recall or params.temperature > 0 or taps:
             return []
-        self.warm_taps = taps
-        out: list[int] = []
-        for tok in self.slots.recall(prompt, max_tokens):
+        held = self.slots.holds(prompt)
+        ids, choices, out, i = self.slots.cached_ids, self.slots.choices, [], len(prompt) - 1
+        while held and len(out) < max_tokens:
             mask = params.constraint(out) if params.constraint is not None else None
-            if mask is not None and not bool(mask[tok]):
+            tok = choices.at(i, mask)
+            if tok < 0:
                 break
             out.append(tok)
-            if tok in self.stop_ids:
+            if tok in self.stop_ids or i + 1 >= held or ids[i + 1] != tok:
                 break
+            i += 1
         if out:
             self.slots.keep(len(prompt) + len(out) - 1)
         return out
@@ -472,8 +474,9 @@ class Engine(ModelTarget):
             logits = logits.masked_fill(~mask, float("-inf"))
         best = self._argmax(logits, params)
         _, first = verify(None, logits, params.temperature, params.top_p, gen, best)
-        greedy_free = mask is None and params.temperature <= 0
-        self.slots.note_next(len(prompt) - 1, first if greedy_free else free)
+        if params.temperature <= 0:
+            self.slots.choices.note(len(prompt) - 1, free if mask is not None else first,
+                                    mask, first)  # fmt: skip
         return first
 
     def _choice(self, row: torch.Tensor, params: GenParams) -> int:

@@ -12,10 +12,9 @@ room, else in place of the least recently used idle one) holding a copy of the l
 prefix of it any slot holds (``runner.copy_cache``), so the slot it came from stays whole.
 
 Beside each cached position a slot keeps, where a forward computed it, the model's own
-greedy choice after it (:attr:`CacheSlots.nexts`, -1 where unknown): the choice is a
-fact about the tokens up to that position, so a greedy request whose whole prompt a slot
-holds reads the tokens the model chose after it back from the slot
-(:meth:`CacheSlots.recall`) instead of computing them again.
+greedy choice after it (:attr:`CacheSlots.choices`, :mod:`.choices`): a fact about the
+tokens up to that position, so a greedy request whose whole prompt a slot holds
+(:meth:`CacheSlots.holds`) can read the tokens the model chose after it back (recall).
 
 Runs: a warm-up may ask for a pinned slot (``pick(prompt, run=True)``), a long stretch
 of a file from a fixed start that many prompts begin with (the prompts' prefixes start
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from codespec.daemon.engine.choices import Choices
 from codespec.daemon.engine.runner import Runner
 
 
@@ -47,7 +47,7 @@ class _Slot:
     tap_valid: int
     used: int
     pinned: bool = False
-    nexts: list[int] = field(default_factory=list)
+    choices: Choices = field(default_factory=Choices)
 
 
 # A slot requests write into that shares at most this many tokens fewer with a prompt
@@ -81,8 +81,8 @@ class CacheSlots:
         can_copy = hasattr(runner, "copy_cache") and self.max_slots > 1
         self.max_run_tokens = max(0, int(max_run_tokens)) if can_copy else 0
         self.cached_ids: list[int] = []  # mirrors the runner's cache, token for token
-        # per cached position, the model's greedy choice after it (-1: not computed)
-        self.nexts: list[int] = []
+        # per cached position, the model's greedy choices after it (recall)
+        self.choices = Choices()
         self.taps: tuple[int, ...] = ()
         self.tap_buf: torch.Tensor | None = None  # (max_length, len(taps), H)
         self.tap_valid = 0  # positions [0, tap_valid) of the buffer are filled
@@ -95,7 +95,7 @@ class CacheSlots:
         """Forget every cached prefix, in every slot."""
         self.runner.reset()
         self.cached_ids = []
-        self.nexts = []
+        self.choices = Choices()
         self.tap_valid = 0
         self.pinned = False
         self.idle.clear()
@@ -173,7 +173,7 @@ class CacheSlots:
         slot for requests drops the least recently used idle one past ``max_slots``."""
         if src is None:
             src = _Slot(self.runner.cache_state(), self.cached_ids, self.taps, self.tap_buf,
-                        self.tap_valid, self._clock, self.pinned, self.nexts)  # fmt: skip
+                        self.tap_valid, self._clock, self.pinned, self.choices)  # fmt: skip
         plain = sorted((sl for sl in self.idle if not sl.pinned), key=lambda sl: sl.used)
         writers = len(plain) + (0 if self.pinned else 1)  # the active one is parked, kept
         if not pinned and writers >= self.max_slots and plain:
@@ -182,7 +182,7 @@ class CacheSlots:
             dst = _Slot(self.runner.new_cache_state(), [], (), None, 0, 0, pinned)
         else:
             state = self.runner.copy_cache(src.state, n)  # type: ignore[attr-defined]
-            dst = _Slot(state, src.cached_ids[:n], (), None, 0, 0, pinned, src.nexts[:n])
+            dst = _Slot(state, src.cached_ids[:n], (), None, 0, 0, pinned, src.choices.copy(n))
             if src.tap_buf is not None and src.tap_valid > 0:
                 dst.taps, dst.tap_valid = src.taps, min(n, src.tap_valid)
                 dst.tap_buf = torch.empty_like(src.tap_buf)
@@ -202,11 +202,11 @@ class CacheSlots:
             self.tap_valid,
             self._clock,
             self.pinned,
-            self.nexts,
+            self.choices,
         )
         self.idle.append(parked)
         self.runner.set_cache_state(slot.state)
-        self.cached_ids, self.nexts = slot.cached_ids, slot.nexts
+        self.cached_ids, self.choices = slot.cached_ids, slot.choices
         self.taps, self.tap_buf, self.tap_valid = slot.taps, slot.tap_buf, slot.tap_valid
         self.pinned = slot.pinned
 
@@ -233,8 +233,7 @@ class CacheSlots:
     def record_prompt(self, prompt: list[int], common: int, hidden: torch.Tensor | None) -> None:
         """The prompt is now cached; ``hidden``: the taps of ``prompt[common:]``."""
         self.cached_ids = list(prompt)
-        kept = self.nexts[: min(common, len(prompt))]
-        self.nexts = kept + [-1] * (len(prompt) - len(kept))
+        self.choices.cut(min(common, len(prompt)), len(prompt))
         if hidden is None:
             self.tap_valid = min(self.tap_valid, common)
             return
@@ -245,12 +244,16 @@ class CacheSlots:
         self.tap_valid = len(prompt)
 
     def record_step(self, base: int, tokens: list[int], hidden: torch.Tensor | None,
-                    rows: list[int], nexts: list[int] | None = None) -> None:  # fmt: skip
+                    rows: list[int], choices: Choices | None = None) -> None:  # fmt: skip
         """A verify step kept ``tokens`` after position ``base``; ``rows`` of ``hidden``
-        (the forward's taps) are theirs; ``nexts``: the model's greedy choice after each
-        of them (-1 where not known)."""
+        (the forward's taps) are theirs; ``choices``: the greedy choices after them
+        (their positions counted from ``base``), where known."""
         self.cached_ids.extend(tokens)
-        self.nexts.extend(nexts if nexts is not None else [-1] * len(tokens))
+        self.choices.cut(base, base)
+        if choices is None:
+            choices = Choices([-1] * len(tokens))
+        masked = {base + p: m for p, m in choices.masked.items()}
+        self.choices.extend(choices.free, masked)
         if hidden is None or self.tap_buf is None or self.tap_valid != base:
             self.tap_valid = min(self.tap_valid, base)
             return
@@ -258,37 +261,21 @@ class CacheSlots:
         self.tap_buf[base : base + n] = hidden[:n] if rows[-1] == n - 1 else hidden[rows]
         self.tap_valid = base + n
 
-    def note_next(self, pos: int, token: int) -> None:
-        """The model's greedy choice after cached position ``pos`` is ``token``."""
-        if 0 <= pos < len(self.nexts):
-            self.nexts[pos] = token
-
-    def recall(self, prompt: list[int], limit: int) -> list[int]:
-        """The model's greedy choices after ``prompt`` that the active slot holds (at most
-        ``limit``): when it holds the whole prompt and the choice after its last token,
-        that choice, then while the slot's next token is the choice made, the choice after
-        that one. Every token but the last of them is cached after the prompt."""
-        held = min(len(self.cached_ids), len(self.nexts), self.runner.length)
+    def holds(self, prompt: list[int]) -> int:
+        """The positions the active cache holds with their KV where it holds the whole
+        ``prompt`` (the choices after them are :attr:`choices`); else 0."""
+        held = min(len(self.cached_ids), len(self.choices), self.runner.length)
         n = len(prompt)
         if not 0 < n <= held or self.cached_ids[n - 1] != prompt[-1]:
-            return []
-        if shared_prefix(self.cached_ids[:n], prompt) < n:
-            return []
-        out: list[int] = []
-        i = n - 1
-        while len(out) < limit and (tok := self.nexts[i]) >= 0:
-            out.append(tok)
-            if i + 1 >= held or self.cached_ids[i + 1] != tok:
-                break
-            i += 1
-        return out
+            return 0
+        return held if shared_prefix(self.cached_ids[:n], prompt) == n else 0
 
     def keep(self, n: int) -> None:
         """Cut the active cache to its first ``n`` positions (a recall's tokens but the
         last stay cached; the last is the next forward's root)."""
         self.runner.truncate(n)
         del self.cached_ids[n:]
-        del self.nexts[n:]
+        self.choices.cut(n)
         self.tap_valid = min(self.tap_valid, n)
 
     def prompt_hidden(self, n: int) -> torch.Tensor:
