@@ -445,3 +445,24 @@ def test_latency_traces_each_request_and_counts_the_recalled(daemon):
     for kind in out:
         rows = [r for r in trace if kind in ("all", r["kind"])]
         assert out[kind]["recalled"] == sum(r["stats"]["recalled"] > 0 for r in rows)
+
+
+def test_latency_reads_a_daemons_memory_and_prints_it(capsys):
+    """``bench latency`` reports each daemon's resident memory after typing (VmRSS, and
+    its peak VmHWM), from /proc; a process that is gone gives nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from codespec.daemon.bench import latency
+
+    mem = latency.daemon_memory(os.getpid())
+    assert 0 < mem["rss_mib"] <= mem["peak_mib"]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert latency.daemon_memory(gone.pid) == {}
+    status = {"memory": {"auto": {"rss_mib": 1000.5, "peak_mib": 1100.25}, "off": {}}}
+    latency.report([], {}, {"auto": {}, "off": {}}, status)
+    out = capsys.readouterr().out
+    assert "daemon memory after typing, auto: resident 1000.5 MiB, peak 1100.2 MiB" in out
+    assert '"memory": {"auto": {"rss_mib": 1000.5' in out and "typing, off" not in out

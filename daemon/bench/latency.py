@@ -86,6 +86,21 @@ def start_daemon(threads: int, extra: list[str]) -> tuple[subprocess.Popen, str,
     raise SystemExit("codespec serve did not come up")
 
 
+def daemon_memory(pid: int) -> dict[str, float]:
+    """A process's resident memory now and at its peak (``VmRSS``, ``VmHWM``), MiB; {} where
+    /proc cannot tell."""
+    out = {}
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out["rss_mib" if key == "VmRSS" else "peak_mib"] = round(int(rest.split()[0]) / 1024, 1)
+    return out
+
+
 @dataclass
 class Spot:
     """A body line to retype: file index, 0-based line, the line's text (no newline)."""
@@ -367,6 +382,7 @@ def compare_configs(
             if name == names[0] and not status:
                 with Client(sock) as c:
                     status = c.request("stats")
+            status.setdefault("memory", {})[name] = daemon_memory(proc.pid)
         finally:
             proc.terminate()
             proc.wait(30)
@@ -433,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
                                        args.gap_ms / 1000, traces.setdefault(spec, []))  # fmt: skip
             if spec == "auto":  # the proposers' figures of the auto daemon
                 with Client(sock) as c:
-                    status = c.request("stats")
+                    status = {**c.request("stats"), "memory": status.get("memory", {})}
+            if proc is not None:
+                status.setdefault("memory", {})[spec] = daemon_memory(proc.pid)
     finally:
         if proc is not None:
             proc.terminate()
@@ -482,6 +500,10 @@ def report(
                 f"{r['first_p99_ms']:>11.1f}{r['final_p50_ms']:>11.1f}{r['final_p99_ms']:>11.1f}"
                 f"{r.get('recalled', 0):>10}"
             )
+    for name, mem in (status.get("memory") or {}).items():
+        if mem:
+            print(f"daemon memory after typing, {name}: resident {mem.get('rss_mib', 0):.1f} "
+                  f"MiB, peak {mem.get('peak_mib', 0):.1f} MiB")  # fmt: skip
     if tp["off"]:
         print("throughput of multi-line complete (64 tokens), tokens/s")
         print(f"{'clients':<10}{'off':>10}{'auto':>10}{'auto/off':>10}")
@@ -490,7 +512,8 @@ def report(
         print(f"{n:<10}{off:>10.1f}{auto:>10.1f}{auto / off if off else 0:>10.2f}")
     summary = {"bench": "latency", "files": [str(f) for f in files], "latency": lat}
     summary["throughput"] = {s: {str(n): v for n, v in d.items()} for s, d in tp.items()}
-    print(json.dumps({**summary, "proposers": status.get("proposers")}))
+    print(json.dumps({**summary, "proposers": status.get("proposers"),
+                      "memory": status.get("memory")}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -32,7 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from codespec.daemon.backends.openai_http import OpenAIClient
-from codespec.daemon.bench.latency import DEFAULT_FILES, percentile, start_daemon
+from codespec.daemon.bench.latency import (
+    DEFAULT_FILES,
+    daemon_memory,
+    percentile,
+    start_daemon,
+)
 from codespec.daemon.client import Client, DaemonError
 
 PREFIX_TOKENS = 384  # the prompt's window of code before the cursor
@@ -140,13 +145,6 @@ def local_rate(prompts: list, n: int, model: str | None) -> dict:
     }
 
 
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
 def _client_loop(
     sock: str, jobs: list[tuple[int, list[int]]], n: int, cancel_every: int, out: dict[str, list]
 ) -> None:
@@ -181,7 +179,7 @@ def clients(
     out: dict[str, list] = {"latency": [], "cancelled": [], "failed": []}
     warm = [(1, ids) for _, ids in prompts[: args.clients]]
     _client_loop(sock, warm, args.max_tokens, 0, {"latency": [], "cancelled": [], "failed": []})
-    rss0 = rss_kb(pid)
+    rss0 = daemon_memory(pid).get("rss_mib", 0.0)
     t0 = time.perf_counter()
     threads = [
         threading.Thread(
@@ -220,8 +218,8 @@ def clients(
         "ms_p99": round(percentile(lat, 0.99), 1),
         "daemon_in_flight_after": s["requests"]["in_flight"],
         "daemon_queued_after": s["requests"]["queued"],
-        "daemon_rss_mb_before": round(rss0 / 1024, 1),
-        "daemon_rss_mb_after": round(rss_kb(pid) / 1024, 1),
+        "daemon_rss_mb_before": rss0,
+        "daemon_rss_mb_after": daemon_memory(pid).get("rss_mib", 0.0),
         "server_running_after": gauges["num_requests_running"],
         "server_waiting_after": gauges["num_requests_waiting"],
     }
