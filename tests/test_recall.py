@@ -210,3 +210,40 @@ def test_choices_hold_free_and_masked_choices_and_keep_the_latest_masks():
     assert c.free == [3, -1, -1] and not c.masked
     c.extend([1] * (KEEP_MASKED + 2), {p: (mask(0), 0) for p in range(3, KEEP_MASKED + 5)})
     assert sorted(c.masked) == list(range(5, KEEP_MASKED + 5))
+
+
+def test_any_sequence_of_requests_gives_what_cold_requests_give(engine):
+    """A seeded random walk over what an editor does — type along the last output (a token
+    or inside one, healed), type what it did not predict, switch to another document and
+    back, warm a prompt, ask with another method — every request's output equals a cold
+    request's on an empty cache, and the walk did recall."""
+    import random
+
+    rng = random.Random(7)
+    docs = [engine.encode(PROMPT), engine.encode(OTHER)]
+    texts = engine.token_texts
+    last: dict[int, list[int]] = {0: [], 1: []}
+    steps = []  # (ids, healed text, output): replayed cold afterwards
+    recalled = 0
+    engine.reset_cache()
+    for _ in range(32):
+        d = rng.randrange(2)
+        ids = docs[d] + last[d][: rng.randrange(len(last[d]) + 1)]
+        heal, r = "", rng.random()
+        if r < 0.4 and len(ids) > len(docs[d]):  # typing inside the ghost text's token
+            ids, heal = ids[:-1], texts.text[ids[-1]] or ""
+            heal = heal[: rng.randrange(1, len(heal) + 1)] if heal else ""
+        elif r < 0.6:  # a keystroke the ghost text did not predict
+            heal = rng.choice("xqz(")
+        if rng.random() < 0.2:
+            engine.warm(ids, lambda: False)
+        method = rng.choice(["off", "auto", "ngram"])
+        params = GenParams(max_tokens=8, constraint=constraint(engine, heal), recall=True)
+        out, _, stats = run(engine, ids, params, method)
+        recalled += stats.recalled
+        last[d] = ids[len(docs[d]) :] + out
+        steps.append((ids, heal, out))
+    assert recalled > 0
+    for ids, heal, out in steps:
+        want, _ = cold(engine, ids, GenParams(max_tokens=8, constraint=constraint(engine, heal)))
+        assert out == want
