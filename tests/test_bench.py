@@ -454,13 +454,13 @@ def test_latency_reads_a_daemons_memory_and_prints_it(capsys):
     import subprocess
     import sys
 
-    from codespec.daemon.bench import latency
+    from codespec.daemon.bench import latency, served
 
-    mem = latency.daemon_memory(os.getpid())
+    mem = served.daemon_memory(os.getpid())
     assert 0 < mem["rss_mib"] <= mem["peak_mib"]
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    assert latency.daemon_memory(gone.pid) == {}
+    assert served.daemon_memory(gone.pid) == {}
     status = {"memory": {"auto": {"rss_mib": 1000.5, "peak_mib": 1100.25}, "off": {}}}
     latency.report([], {}, {"auto": {}, "off": {}}, status)
     out = capsys.readouterr().out

@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from codespec.daemon.bench import llamacpp
-from codespec.daemon.bench.latency import percentile, start_daemon
 from codespec.daemon.bench.llamacpp import PeerUnavailable
+from codespec.daemon.bench.served import percentile, start_daemon
 from codespec.daemon.client import Client
 
 CODESPEC = "codespec"

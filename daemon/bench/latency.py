@@ -28,18 +28,15 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from codespec.daemon.bench.served import daemon_memory, percentile, start_daemon
 from codespec.daemon.client import Client
-from codespec.daemon.engine.models import models_root
-from codespec.native import kernel_dir
 
 _LIB = Path(os.__file__).parent
 DEFAULT_FILES = [_LIB / "textwrap.py", _LIB / "json" / "decoder.py"]
@@ -48,57 +45,6 @@ THROUGHPUT_FILES = [_LIB / f for f in ("textwrap.py", "json/decoder.py", "json/e
                                         "csv.py", "shlex.py", "fractions.py", "heapq.py",
                                         "calendar.py")]  # fmt: skip
 KEYSTROKES_PER_LINE = 14  # characters typed (one completion each) on every retyped line
-
-
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return 0.0
-    k = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
-    return s[k]
-
-
-def start_daemon(threads: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
-    tmp = tempfile.mkdtemp(prefix="codespec-bench-")
-    sock = os.path.join(tmp, "d.sock")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), XDG_CACHE_HOME=tmp, CODESPEC_SOCKET=sock)
-    env.setdefault("CODESPEC_MODELS", str(models_root()))  # the cached model, not a new fetch
-    # the kernels built here, not compiled again into the fresh state dir (a first lookup
-    # compiling the index's library would slow the first completion)
-    env.setdefault("CODESPEC_KERNEL_DIR", str(kernel_dir()))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "codespec.daemon.cli", "serve", "--socket", sock, *extra],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 120:
-        if proc.poll() is not None:
-            raise SystemExit(f"codespec serve exited: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            Client(sock, timeout=1).close()
-            return proc, sock, tmp
-        except Exception:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("codespec serve did not come up")
-
-
-def daemon_memory(pid: int) -> dict[str, float]:
-    """A process's resident memory now and at its peak (``VmRSS``, ``VmHWM``), MiB; {} where
-    /proc cannot tell."""
-    out = {}
-    try:
-        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    except OSError:
-        return {}
-    for line in lines:
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out["rss_mib" if key == "VmRSS" else "peak_mib"] = round(int(rest.split()[0]) / 1024, 1)
-    return out
 
 
 @dataclass
@@ -436,7 +382,21 @@ def main(argv: list[str] | None = None) -> int:
         lat, status = compare_configs(args, texts, extra)
         report(files, lat, {"auto": {}, "off": {}}, status, "config")
         return 0
-    lat, status, traces = {}, {}, {}  # per method its latency and trace; auto's stats
+    lat, status = compare_methods(args, texts, extra)
+    tp = throughput_runs(args, extra)
+    report(files, lat, tp, status)
+    return 0
+
+
+def compare_methods(
+    args: argparse.Namespace, texts: list[str], extra: list[str]
+) -> tuple[dict, dict]:
+    """Typing replayed with ``auto`` then ``off``, each on a fresh daemon (unless
+    ``--socket``): per method its latency; the auto daemon's ``stats`` with each
+    daemon's memory after typing (``--trace``: each request's record)."""
+    lat: dict[str, Any] = {}
+    status: dict[str, Any] = {}
+    traces: dict[str, list[dict]] = {}
     proc = None
     try:
         for spec in ("auto", "off"):  # a fresh daemon per method: equal, cold caches
@@ -457,9 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(30)
     write_trace(args.trace, traces)
-    tp = throughput_runs(args, extra)
-    report(files, lat, tp, status)
-    return 0
+    return lat, status
 
 
 def throughput_runs(args: argparse.Namespace, extra: list[str]) -> dict[str, dict[int, Any]]:

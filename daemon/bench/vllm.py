@@ -32,12 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from codespec.daemon.backends.openai_http import OpenAIClient
-from codespec.daemon.bench.latency import (
-    DEFAULT_FILES,
-    daemon_memory,
-    percentile,
-    start_daemon,
-)
+from codespec.daemon.bench.latency import DEFAULT_FILES
+from codespec.daemon.bench.served import daemon_memory, percentile, start_daemon
 from codespec.daemon.client import Client, DaemonError
 
 PREFIX_TOKENS = 384  # the prompt's window of code before the cursor
