@@ -103,3 +103,58 @@ def test_row_masks_follow_each_path_until_the_constraint_frees_it():
     assert row_masks(need_two, [3, 4], draft) == {}
     assert row_masks(None, [], draft) == {}
     assert sorted(row_masks(need_two, [], None)) == [0]
+
+
+def test_a_draft_the_constraint_forbids_is_not_verified():
+    """``possible``: nodes whose row's mask forbids their token go, with everything under
+    them; the cut remembers the proposer's draft (``origin``) and the chances; a draft
+    all allowed is kept as it is, one all forbidden is None."""
+    from codespec.daemon.engine.request import possible
+
+    vocab = 8
+
+    def first_even(done: list[int]) -> torch.Tensor | None:  # the first token must be even
+        if done:
+            return None
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[::2] = True
+        return mask
+
+    full = Draft([5, 6, 7, 2, 3, 4, 1], parents=[-1, 0, 1, -1, 3, 4, -1])
+    draft = full.select([0, 1, 2, 3, 4, 5, 6])
+    draft.chances = [0.9, 0.8, 0.7, 0.5, 0.4, 0.3, 0.1]
+    got = possible(draft, first_even, [])
+    assert got is not None and got.tokens == [2, 3, 4] and got.parents == [-1, 0, 1]
+    assert got.origin is not None and got.origin[0] is full and got.origin[1] == [3, 4, 5]
+    assert got.chances == [0.5, 0.4, 0.3]
+    assert possible(draft, first_even, [2]) is draft  # the constraint is covered: free
+    assert possible(Draft([5, 7]), first_even, []) is None
+    assert possible(Draft([4, 7]), first_even, []).tokens == [4, 7]  # type: ignore[union-attr]
+    assert possible(draft, None, []) is draft and possible(None, first_even, []) is None
+
+
+def test_a_keystroke_the_draft_did_not_predict_verifies_no_draft(engine):
+    """Under healing, a draft whose first token cannot regrow the typed text is dropped
+    before the forward (a one-row step instead of a verify of them all); drafts after the
+    text is regrown are verified; the output is constrained plain decoding's."""
+    text = "for i in range(10):\n    print(i)\nfor j in range(3):\n    print(j)\nfrom "
+    ids, heal = heal_prompt(engine, engine.encode(text))
+    params = GenParams(max_tokens=6, max_draft=5, constraint=constraint(engine, heal))
+    engine.reset_cache()
+    plain, _, _ = stream(engine, ids, params, None)
+    texts = engine.token_texts.text
+    wrong = [t for t in range(engine.runner.vocab_size) if (texts[t] or " ")[0] == "q"][:5]
+    assert not heal.startswith("q") and len(wrong) == 5
+    verified: list[int] = []
+
+    class Wrong(ScriptedProposer):  # always the 'q' tokens, which never regrow the text
+        def propose(self, context, budget):
+            return Draft.chain(wrong[:budget], "q")
+
+        def observe(self, result):
+            verified.append(len(result.draft) if result.draft is not None else 0)
+
+    got, sizes, warm = stream(engine, ids, params, Wrong([], "correct", 1))
+    assert got == plain
+    assert warm.lead_steps == 1 and verified[0] == 0 and sizes[0] == 1
+    assert any(verified[1:]) and warm.drafted["q"] == sum(verified)

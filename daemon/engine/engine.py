@@ -56,6 +56,7 @@ from codespec.daemon.engine.request import (
     Step,
     Verified,
     cut,
+    possible,
     row_masks,
 )
 from codespec.daemon.engine.slots import CacheSlots
@@ -72,10 +73,9 @@ __all__ = ["Constraint", "Engine", "GenParams", "ModelLoadError", "Stats", "Step
 
 # The lean stack's LM head under Runner.forward's ``greedy``: its first chunk of logit rows
 # (stack.cpp's STOP_ROWS: the root and three nodes), then the rest in a second pass over
-# the head's weights. A walk ending inside the first chunk saves the rest of the head's
-# rows; one going past it pays for a second pass that streams the head's weights again.
-# The stop is asked for only while the chance of going past the first chunk is under
-# STOP_BELOW, where that saving and that cost break even (timed: BENCHMARKS.md).
+# the head's weights (a walk ending inside the first chunk saves the rest of the head's
+# rows). The stop is asked for only while the chance of going past the first chunk is
+# under STOP_BELOW, where the saving and the second pass break even (BENCHMARKS.md).
 HEAD_FIRST_ROWS = 4
 STOP_BELOW = 0.65
 # A warm-up's tokens a forward where the runner's forward stops between layers (a request
@@ -130,14 +130,12 @@ class Engine(ModelTarget):
     @cached_property
     def token_texts(self) -> TokenTexts:
         """Every token's text, for token healing (:mod:`codespec.daemon.text.healing`):
-        built on first use (~0.2 s; the daemon builds it at start) and kept with the
-        engine. ``del engine.token_texts`` drops it."""
+        built on first use (~0.2 s; the daemon builds it at start), kept with the engine."""
         return TokenTexts(self.tokenizer, self.runner.vocab_size)
 
     @cached_property
     def prefix_encoder(self) -> PrefixEncoder:
-        """The tokenizer's encoding of the text before a cursor, reusing the lines that did
-        not change (:mod:`codespec.daemon.text.prefix_tokens`); made on first use."""
+        """The text before a cursor, encoded (:mod:`codespec.daemon.text.prefix_tokens`)."""
         return PrefixEncoder(self.tokenizer)
 
     @property
@@ -330,11 +328,14 @@ class Engine(ModelTarget):
             raise ValueError("max_tokens must be at least 1")
         return min(params.max_tokens, self.max_length - len(prompt_ids))
 
-    def _draft(self, proposer: Proposer | None, context: list[int], budget: int) -> Draft | None:
+    def _draft(self, proposer: Proposer | None, context: list[int], budget: int,
+               params: GenParams, done: list[int]) -> Draft | None:  # fmt: skip
+        """The proposer's draft, at most ``budget`` nodes, less what none could accept."""
         if proposer is None or budget <= 0:
             return None
         draft = proposer.propose(context, budget)
-        return draft.truncated(budget) if draft is not None and len(draft) > budget else draft
+        draft = draft.truncated(budget) if draft is not None and len(draft) > budget else draft
+        return possible(draft, params.constraint, done)
 
     def stream(
         self,
@@ -399,10 +400,9 @@ class Engine(ModelTarget):
     def _recall(
         self, prompt: list[int], params: GenParams, taps: tuple[int, ...], max_tokens: int
     ) -> list[int]:
-        """The model's choices after ``prompt`` in the active slot (:mod:`.choices`), where
-        it holds the whole prompt, for greedy requests with ``params.recall`` and no taps:
-        each under ``params.constraint``'s mask there, through a stop token, at most
-        ``max_tokens``. The cache keeps all of them but the last (the next root)."""
+        """The model's choices after ``prompt`` in the active slot (:mod:`.choices`) that holds
+        it whole (greedy, ``params.recall``, no taps), each under ``params.constraint``'s mask:
+        through a stop token, at most ``max_tokens``; all but the last stay cached."""
         if not params.recall or params.temperature > 0 or taps:
             return []
         held = self.slots.holds(prompt)
@@ -438,7 +438,7 @@ class Engine(ModelTarget):
         ``lead``: ``root`` is the prompt's last token (no prefill gave a first token)."""
         budget = min(params.max_draft, max_tokens - len(out) - 1,
                      self.max_length - self.runner.length - 2)  # fmt: skip
-        draft = self._draft(proposer, context, budget)
+        draft = self._draft(proposer, context, budget, params, out)
         v = self.verify_step(root, draft, params, gen, taps, out)
         stats.target_forwards += 1
         stats.decode_steps += 1

@@ -14,7 +14,7 @@ import torch
 
 from codespec.speculators.draft import Draft
 
-__all__ = ["Constraint", "GenParams", "Stats", "Step", "Verified"]
+__all__ = ["Constraint", "GenParams", "Stats", "Step", "Verified", "possible", "row_masks"]
 
 Constraint = Callable[[list[int]], torch.Tensor | None]
 
@@ -201,3 +201,37 @@ def row_masks(
             if mask is not None:
                 masks[i + 1] = mask
     return masks
+
+
+def possible(draft: Draft | None, constraint: Constraint | None, done: list[int]) -> Draft | None:
+    """``draft`` without the nodes no verify step could accept: a node whose row's mask
+    (:func:`row_masks`, after ``done``) forbids its token, and every node under it. The
+    token a masked row gives is an allowed one, so verification would turn them down:
+    dropping them changes no output, only the forward's size (a keystroke the ghost text
+    did not predict: the last output, drafted again, cannot regrow the typed text). None
+    when no node is left. The cut keeps the draft's ``origin`` (the proposer's draft and
+    each node's index there) and ``chances``."""
+    if draft is None or not len(draft) or constraint is None:
+        return draft
+    masks = row_masks(constraint, done, draft)
+    if not masks:
+        return draft
+    assert draft.parents is not None
+    keep: list[int] = []
+    kept: set[int] = set()
+    for i, (p, tok) in enumerate(zip(draft.parents, draft.tokens, strict=True)):
+        row = 0 if p < 0 else p + 1
+        if (p < 0 or p in kept) and (row not in masks or bool(masks[row][tok])):
+            keep.append(i)
+            kept.add(i)
+    if len(keep) == len(draft):
+        return draft
+    if not keep:
+        return None
+    out = draft.select(keep)
+    if draft.origin is not None:
+        full, index = draft.origin
+        out.origin = (full, [index[k] for k in keep])
+    if draft.chances is not None:
+        out.chances = [draft.chances[k] for k in keep]
+    return out
