@@ -35,6 +35,7 @@ File: ``$XDG_CONFIG_HOME/codespec/config.toml`` (fallback
     quantum_steps = 8         # decode steps a request runs before the next one's turn
     lead_step = true          # a cached prompt's last token and the first draft: one forward
     recall = true             # greedy: a cached prompt's earlier choices, with no forward
+    run_on_tokens = 0         # tokens decoded after a finished one-line completion while idle
 
     [completion]
     context = "none"          # none | header | crossfile (what precedes the prefix)
@@ -141,6 +142,11 @@ class Speculation(_Section):
     # with the tokens the model chose after it in an earlier request, takes those tokens
     # from the cache slot with no forward (the same tokens a forward would choose).
     recall: bool = True
+    # After a one-line completion that stopped at its line's end, while no request waits,
+    # decode up to this many more greedy tokens (plain steps, thrown away): their choices
+    # stay beside the cache, so Enter, or going on after accepting the ghost text,
+    # recalls the next line instead of computing it (codespec.daemon.service.run_on).
+    run_on_tokens: Annotated[int, Meta(ge=0, le=64)] = 0
 
     def __post_init__(self) -> None:
         if self.default not in ("auto", "off"):

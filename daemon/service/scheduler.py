@@ -1,37 +1,31 @@
 """The scheduler: one worker thread owns the engine and serves requests fairly.
 
-Owns: the request queue, the worker thread, fairness, cancellation, the
-speculation back-off under load, the text of each request across its turns
-(incremental detokenization and stop strings), and the daemon-wide decoding
-statistics. What the last requests on each document generated (a draft source) is
-:mod:`.recent`'s. Must not touch: sockets, documents, prompts; the engine's insides
-(it only calls ``Engine.stream`` under ``Engine.lock``).
+Owns: the request queue, the worker thread, fairness, cancellation, the speculation back-off
+under load, the text of each request across its turns (incremental detokenization and stop
+strings), the daemon-wide decoding statistics, and when to run on after a completion
+(:mod:`.run_on`). What the last requests on each document generated (a draft source) is
+:mod:`.recent`'s. Must not touch: sockets, documents, prompts; the engine's insides (it only
+calls ``Engine.stream`` under ``Engine.lock``).
 
-Fairness: round-robin with a quantum. The engine has one KV cache, so two
-requests cannot interleave inside one ``Engine.stream``. A request runs for
-``quantum_steps`` decode steps; if another one is waiting, it is preempted
-(its generator closed) and queued at the back, and it resumes later as a new
-``stream`` over ``prompt + generated tokens``: the engine reuses the longest
-cached prefix, so a resume re-feeds only what the other request displaced.
-Greedy output is the same token for token as an uninterrupted run; with
-temperature > 0 the distribution is unchanged but the random stream restarts
-on each turn (a ``seed`` fixes only a request that is never preempted).
-Most single-line completions finish inside one quantum. Switching costs a
-re-prefill of what the other request displaced, so a turn also lasts until its
-decode time is at least ``SWITCH_COST_RATIO`` times its own prefill time: the
-re-prefill overhead of round-robin stays under 1 / (1 + ratio) of the work.
+Fairness: round-robin with a quantum. The engine has one KV cache, so two requests cannot
+interleave inside one ``Engine.stream``. A request runs for ``quantum_steps`` decode steps;
+if another one is waiting, it is preempted (its generator closed) and queued at the back,
+and it resumes later as a new ``stream`` over ``prompt + generated tokens``: the engine
+reuses the longest cached prefix, so a resume re-feeds only what the other request
+displaced. Greedy output is the same token for token as an uninterrupted run; with
+temperature > 0 the distribution is unchanged but the random stream restarts on each turn
+(a ``seed`` fixes only a request that is never preempted). Most single-line completions
+finish inside one quantum. Switching costs a re-prefill of what the other request
+displaced, so a turn also lasts until its decode time is at least ``SWITCH_COST_RATIO``
+times its own prefill time: round-robin's re-prefill stays under 1 / (1 + ratio) of the work.
 
-Speculation under load (``active`` = requests running or waiting, cancelled
-ones not counted): below ``shorten_at`` the request's full draft length;
-from ``shorten_at`` the draft length halves per extra request; from
-``off_at`` speculation is off (plain decoding). Requests run one at a time, so
-a verify forward takes nothing from the others; the defaults (9, 32) keep
-full drafts up to 8 active requests, where they still pay
-(``codespec.daemon.config``).
+Speculation under load (``active``: requests running or waiting, not cancelled): from
+``shorten_at`` the draft length halves per extra request, from ``off_at`` decoding is
+plain; requests run one at a time, so a verify forward takes nothing from the others
+(the defaults keep full drafts up to 8 active requests, where they still pay).
 
-Cancellation: ``Job.cancel`` is checked by the engine after every target
-forward, and by the worker before each turn, so a cancelled request stops
-within one decode step.
+Cancellation: ``Job.cancel`` is checked by the engine after every target forward, and by
+the worker before each turn, so a cancelled request stops within one decode step.
 """
 
 from __future__ import annotations
@@ -58,6 +52,7 @@ from codespec.daemon.service.protocol import (
     ProtocolError,
 )
 from codespec.daemon.service.recent import RecentOutputs
+from codespec.daemon.service.run_on import after_completion
 from codespec.daemon.service.warmups import RUN_CHUNK, WARM_CHUNK, WarmQueue, Warmup
 from codespec.daemon.text.tracker import TextTracker
 from codespec.speculators.draft import Proposer, RequestInfo
@@ -362,6 +357,9 @@ class Scheduler:
         self._account(job, stats, time.perf_counter() - t0)
         if finish or job.cancel.is_set():
             self._finish(job, finish or "cancelled")
+            if finish == "stop" and job.kind == "complete" and job.params.temperature <= 0:
+                after_completion(self.engine, self.cfg.run_on_tokens, job.prompt_ids + job.out_ids,
+                                 lambda: self._stopping or self._others_waiting())  # fmt: skip
             return
         with self._cond:  # preempted: back of the queue
             self._queue.append(job)
