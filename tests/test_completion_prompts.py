@@ -104,8 +104,10 @@ def test_an_edit_copies_its_draft_and_answers_with_the_region_only(client):
     try:
         doc_start = {"line": 331, "character": 0}
         rng = {"start": doc_start, "end": {"line": 341, "character": 0}}
-        plain = client.request("edit", {"uri": uri, "range": rng})
+        # the exact prediction first: the plain request after it, over the same prompt, may
+        # be served from the model's choices it left beside the cache (recall)
         exact = client.request("edit", {"uri": uri, "range": rng, "prediction": old})
+        plain = client.request("edit", {"uri": uri, "range": rng})
     finally:
         client.request("close", {"uri": uri})
     assert plain["mode"] == "continue"
@@ -115,7 +117,8 @@ def test_an_edit_copies_its_draft_and_answers_with_the_region_only(client):
     assert "def raw_decode" not in new  # the code after the region is not written
     assert new.endswith("\n") and old.endswith("\n")
     assert exact["text"].startswith(old.split("\n", 1)[0])
-    assert exact["stats"]["tokens_per_forward"] >= plain["stats"]["tokens_per_forward"] * 0.5
+    assert exact["stats"]["tokens_per_forward"] >= 2.0  # the prediction's drafts accepted
+    assert plain["text"] == exact["text"]  # greedy over the same prompt, however served
 
 
 def test_shape_keeps_whole_lines_when_cut():

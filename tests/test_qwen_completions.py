@@ -15,18 +15,35 @@ from conftest import ServerThread, daemon_config
 
 
 @pytest.fixture(scope="module")
-def client(request, tmp_path_factory):
+def qwen_engine(request):
     from codespec.daemon.engine.engine import Engine
 
-    engine = Engine(qwen_dir(request))
-    config = daemon_config(tmp_path_factory.mktemp("qwen"))
+    return Engine(qwen_dir(request))
+
+
+def _serve(engine, folder, recall: bool):
+    config = daemon_config(folder)
     config.completion.warm_after_s = 0  # no warm-ups: the prefix cache holds what requests fed
+    config.speculation.recall = recall
     srv = ServerThread(config, engine)
     try:
         with Client(srv.socket_path) as c:
             yield c
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(qwen_engine, tmp_path_factory):
+    """A daemon with recall off: every request's tokens come from its own forwards, so
+    ``auto`` against ``off`` at one spot compares two decodings."""
+    yield from _serve(qwen_engine, tmp_path_factory.mktemp("qwen"), recall=False)
+
+
+@pytest.fixture(scope="module")
+def recall_client(qwen_engine, tmp_path_factory):
+    """The same engine served with the defaults (recall on)."""
+    yield from _serve(qwen_engine, tmp_path_factory.mktemp("qwen_recall"), recall=True)
 
 
 def _open(client, text: str) -> str:
@@ -139,3 +156,36 @@ def test_typing_along_the_ghost_text_gives_plain_decodings_lines_on_qwen(client)
         client.request("close", {"uri": uri})
     assert leads >= 3  # most keystrokes found their prompt cached but its last token
     assert sum(len(t) > 3 for t in texts) >= 3, texts  # lines, not empty answers
+
+
+def test_typing_along_the_ghost_text_recalls_plain_decodings_lines_on_qwen(client, recall_client):
+    """With recall (the default), each keystroke that types the ghost text's next
+    character is served from the choices the last completion left beside the cache, under
+    Qwen's token healing, and gives the line plain decoding gives at the same spot (``off``
+    on the daemon without recall, over the same engine)."""
+    head = "import os\n\n\ndef list_python_files(folder):\n    names = []\n    for name in os.l"
+    tail = "\n    return names\n"
+    text = head + tail
+    uris = [_open(c, text) for c in (recall_client, client)]
+    recalled, texts = 0, []
+    try:
+        line, col = 5, len("    for name in os.l")
+        for version in range(1, 7):
+            pos = {"line": line, "character": col}
+            r = recall_client.request("complete", {"uri": uris[0], "position": pos})
+            off = client.request("complete", {"uri": uris[1], "position": pos,
+                                              "speculation": "off"})  # fmt: skip
+            assert r["text"] == off["text"], (version, r["stats"], off["stats"])
+            assert off["stats"]["recalled"] == 0
+            recalled += r["stats"]["recalled"] > 0
+            texts.append(r["text"])
+            ch = r["text"][:1] or "x"
+            for c, uri in zip((recall_client, client), uris, strict=True):
+                c.request("change", {"uri": uri, "version": version, "changes": [
+                    {"range": {"start": pos, "end": pos}, "text": ch}]})  # fmt: skip
+            col += 1
+    finally:
+        for c, uri in zip((recall_client, client), uris, strict=True):
+            c.request("close", {"uri": uri})
+    assert recalled >= 4, texts  # every keystroke typed what the ghost text showed
+    assert sum(len(t) > 3 for t in texts) >= 3, texts
