@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import itertools
 import json
 import os
@@ -95,7 +96,6 @@ class Typist:
         self.versions = [0] * len(texts)
         self.first: dict[str, list[float]] = {}
         self.final: dict[str, list[float]] = {}
-        self.recalled: dict[str, int] = {}  # requests that began with recalled tokens
         self.trace: list[dict] = []  # per request: kind, times, the daemon's stats
         for f, text in enumerate(texts):
             c.request("open", {"uri": self.uri(f), "text": text, "version": 0})
@@ -124,7 +124,6 @@ class Typist:
         self.final.setdefault(kind, []).append((t1 - t0) * 1000)
         self.first.setdefault(kind, []).append(((got[0] if got else t1) - t0) * 1000)
         stats = r.get("stats", {}) if isinstance(r, dict) else {}
-        self.recalled[kind] = self.recalled.get(kind, 0) + (stats.get("recalled", 0) > 0)
         self.trace.append({"kind": kind, "first_ms": round(self.first[kind][-1], 1),
                            "final_ms": round(self.final[kind][-1], 1), "stats": stats})  # fmt: skip
         time.sleep(max(0.0, self.pause_s - (t1 - t0)))  # the typist's own pace
@@ -180,6 +179,7 @@ def typing_latency(
             c.request("close", {"uri": t.uri(f)})
     if trace is not None:
         trace.extend(t.trace)
+    recalled = collections.Counter(r["kind"] for r in t.trace if r["stats"].get("recalled"))
     out = {}
     every_first = [x for xs in t.first.values() for x in xs]
     every_final = [x for xs in t.final.values() for x in xs]
@@ -187,7 +187,7 @@ def typing_latency(
                                ("all", every_first, every_final)]:  # fmt: skip
         out[kind] = {
             "n": len(final),
-            "recalled": sum(t.recalled.values()) if kind == "all" else t.recalled[kind],
+            "recalled": recalled.total() if kind == "all" else recalled[kind],
             "first_p50_ms": percentile(first, 0.5),
             "first_p99_ms": percentile(first, 0.99),
             "final_p50_ms": percentile(final, 0.5),
@@ -409,7 +409,7 @@ def compare_methods(
                                        args.gap_ms / 1000, traces.setdefault(spec, []))  # fmt: skip
             if spec == "auto":  # the proposers' figures of the auto daemon
                 with Client(sock) as c:
-                    status = {**c.request("stats"), "memory": status.get("memory", {})}
+                    status.update(c.request("stats"))
             if proc is not None:
                 status.setdefault("memory", {})[spec] = daemon_memory(proc.pid)
     finally:

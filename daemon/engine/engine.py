@@ -173,19 +173,15 @@ class Engine(ModelTarget):
         """Feed ``prompt`` after its longest cached prefix: ``(last row's logits (1, V),
         prompt tokens reused)``. With ``taps``, every prompt position's tapped hidden
         states end up in :meth:`prompt_hidden` (reused positions included)."""
+        self.slots.pick(prompt)
         common = self._reuse(prompt, taps)
         return self._feed(prompt, common, taps), common
 
-    def _reuse(
-        self, prompt: list[int], taps: tuple[int, ...], run: bool = False, picked: bool = False
-    ) -> int:
-        """Make the cache slot sharing most with ``prompt`` the active one (``run``: the
-        file run it is, :meth:`warm`; ``picked``: it already is) and cut it to the prompt's
+    def _reuse(self, prompt: list[int], taps: tuple[int, ...]) -> int:
+        """Cut the active cache slot (the caller picked it: ``slots.pick``) to the prompt's
         reusable prefix (never the whole prompt): how many tokens it keeps. ``taps``
         become :attr:`warm_taps`."""
         self.warm_taps = taps
-        if not picked:
-            self.slots.pick(prompt, run=run)
         common = self.slots.reusable(prompt, taps)
         self.runner.truncate(common)
         return common
@@ -361,7 +357,7 @@ class Engine(ModelTarget):
         taps: tuple[int, ...] = tuple(getattr(proposer, "taps", ()) or ())
         self.slots.pick(prompt)
         recalled = self._recall(prompt, params, taps, max_tokens)
-        common = len(prompt) - 1 if recalled else self._reuse(prompt, taps, picked=True)
+        common = len(prompt) - 1 if recalled else self._reuse(prompt, taps)
         stats = Stats(prompt_tokens=len(prompt), cached_tokens=common)
         out: list[int] = []
         if recalled:  # the model's own choices after this prompt, from the cache slot

@@ -48,7 +48,7 @@ def run_on(
     request waits, and at a stop token or the context's end. The tokens decoded."""
     if tokens <= 0 or waiting():
         return 0
-    params = GenParams(max_tokens=tokens, recall=True, lead_step=False)
+    params = GenParams(max_tokens=tokens, recall=True)  # no proposer: plain steps
     n = 0
     gen = engine.stream(list(prompt_ids), params)
     try:
