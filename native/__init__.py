@@ -114,8 +114,8 @@ class NativeLibrary:
     def build(self, cxx: str, target: Path) -> None:
         """Compile the library to ``target`` (written whole or not at all). Several
         sources compile at once, each to an object of its own, then link: one compiler
-        process uses one core, and the quantized kernel's two sources took 110 s in one
-        on a 2-core VM."""
+        process uses one core, and the quantized kernel's sources (then two) took 110 s
+        in one on a 2-core VM."""
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)

@@ -37,6 +37,28 @@ def test_the_kernels_build_while_the_model_is_resolved(tiny_model, monkeypatch):
     assert sorted(seen) == ["build waited", "resolve saw the build"], seen
 
 
+def test_both_kernel_libraries_build_at_once(tiny_model, monkeypatch):
+    """Each library's build waits for the other's to have started: both finish only if
+    they run at once (the small one used to wait for the large one's compile)."""
+    started = {"quant": threading.Event(), "cpu": threading.Event()}
+    seen: list[str] = []
+
+    def library(name: str, other: str, real):
+        def build():
+            started[name].set()
+            seen.append(f"{name} saw {other}" if started[other].wait(10) else f"{name} alone")
+            return real()
+
+        return types.SimpleNamespace(library=build)
+
+    monkeypatch.setattr(loading, "quant_gemm", library("quant", "cpu", loading.quant_gemm.library))
+    monkeypatch.setattr(loading, "cpu_gemm", library("cpu", "quant", loading.cpu_gemm.library))
+    threads = loading.build_cpu_kernels_meanwhile()
+    for t in threads:
+        t.join(20)
+    assert sorted(seen) == ["cpu saw quant", "quant saw cpu"], seen
+
+
 def test_the_hf_runner_builds_no_cpu_kernels(tiny_model, monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr("codespec.daemon.engine.engine.build_cpu_kernels_meanwhile",

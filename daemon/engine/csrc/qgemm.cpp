@@ -78,6 +78,65 @@
 #define QG_AVX512 1
 #endif
 
+// The file compiles as five objects at once (a compiler process uses one core, and this
+// file alone took 44 s of a first run's ~75 s compile on a 2-core VM), one per part: the
+// widening (exact) products of AVX2 (z256: qgemm_avx2.cpp, QG_PART_AVX2) and of AVX-512
+// (z512: qgemm_avx512.cpp), the int8 products of AVX2 (v256: qgemm_avx2_i8.cpp) and of
+// AVX-512 with the AMX tiles (v512: qgemm_avx512_i8.cpp), and this file itself: the rest
+// (the scalar paths, the dispatch and the C functions). An int8 part compiles its ISA's
+// widening namespace too, for the primitives it shares, but instantiates none of its
+// products. The AVX-512 parts are empty under QG_NO_AVX512. The parts meet through the
+// named namespace qgp below: the ISA parts' entry points, taking and giving only plain
+// types (a panel function comes back as void*, cast back to its own type, which every
+// part defines the same from this one source), and the switches every part reads.
+#if defined(QG_X86) && (defined(QG_PART_AVX2) || defined(QG_PART_AVX2_I8))
+#define QG_EMIT_Z256 1
+#endif
+#if defined(QG_X86) && defined(QG_PART_AVX2_I8)
+#define QG_EMIT_V256 1
+#endif
+#if defined(QG_AVX512) && (defined(QG_PART_AVX512) || defined(QG_PART_AVX512_I8))
+#define QG_EMIT_Z512 1
+#endif
+#if defined(QG_AVX512) && defined(QG_PART_AVX512_I8)
+#define QG_EMIT_V512 1
+#endif
+#if !defined(QG_PART_AVX2) && !defined(QG_PART_AVX2_I8) && !defined(QG_PART_AVX512) && \
+    !defined(QG_PART_AVX512_I8)
+#define QG_BASE 1
+#endif
+
+namespace qgp {
+extern std::atomic<int64_t> g_prefetch_ahead;
+extern std::atomic<int64_t> g_expand_rows;
+extern std::atomic<int32_t> g_prefetch_level;
+void* z256_panels(int t);  // a PanelFn, or null
+void z256_dequant(int t, const void* ref, int64_t K, float* out);  // ref: a const Ref*
+void* v256_panels(int t);  // a PanelFnI8, or null
+void* v256_quantize();     // a QuantFn
+int64_t v256_dot_peak(int64_t iters);
+void* z512_panels(int t);
+void z512_dequant(int t, const void* ref, int64_t K, float* out);
+void* v512_panels(int t);
+void* v512_quantize();
+int64_t v512_dot_peak(int64_t iters);
+int v512_amx(int on);  // cs_q_amx's
+}  // namespace qgp
+
+// GGML type -> NS::panels<type> (pick and pick_i8, in the part that has NS)
+#define QG_PANELS_OF(NS, t)                          \
+  switch (t) {                                       \
+    case T_Q8_0: return (void*)NS::panels<T_Q8_0>;   \
+    case T_Q4_0: return (void*)NS::panels<T_Q4_0>;   \
+    case T_Q4_1: return (void*)NS::panels<T_Q4_1>;   \
+    case T_Q5_0: return (void*)NS::panels<T_Q5_0>;   \
+    case T_Q5_1: return (void*)NS::panels<T_Q5_1>;   \
+    case T_Q4_K: return (void*)NS::panels<T_Q4_K>;   \
+    case T_Q5_K: return (void*)NS::panels<T_Q5_K>;   \
+    case T_Q6_K: return (void*)NS::panels<T_Q6_K>;   \
+    default: return nullptr;                         \
+  }
+
 namespace {
 
 constexpr int T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12,
@@ -557,10 +616,7 @@ inline int64_t pass_rows() {
 // ahead (3 and 6 do as well) makes decode steps and 4-token forwards faster at short and
 // long contexts: the hardware prefetcher alone leaves the stream well below the bandwidth
 // torch's products reach.
-std::atomic<int64_t> g_prefetch_ahead{[] {
-  const char* e = std::getenv("CODESPEC_PREFETCH_AHEAD");
-  return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{4};
-}()};
+using qgp::g_prefetch_ahead;
 inline int64_t prefetch_ahead() { return g_prefetch_ahead.load(std::memory_order_relaxed); }
 
 // The few-row passes' fetch ahead: the `bytes` of a slice from f into L1, none past end.
@@ -579,10 +635,7 @@ inline void fetch_slice(const uint8_t* f, int64_t bytes, const uint8_t* end) {
 // integers, so the same bits. From the second row on: in process on a Zen 3 VM (0.5B
 // forwards after 350 cached, every row's logits, 12 alternating rounds, medians), 2 rows
 // 43.0 -> 38.4 ms, 3: 49.8 -> 45.0, 4: 54.2 -> 49.1, against keeping them from 9 rows on.
-std::atomic<int64_t> g_expand_rows{[] {
-  const char* e = std::getenv("CODESPEC_EXPAND_ROWS");
-  return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{1};
-}()};
+using qgp::g_expand_rows;
 
 // The cache the many-row int8 products fetch the next group of panels into (Trickle): 2,
 // L2 (prefetcht1, the default), or 1, L1 (prefetcht0; CODESPEC_PREFETCH_LEVEL or
@@ -590,10 +643,7 @@ std::atomic<int64_t> g_expand_rows{[] {
 // for the LM head) does not fit L1 beside x, and fetching the next one into L1 pushes it
 // out: into L2, the LM head's 8- and 16-row products and 8-token forwards are faster,
 // 16-token forwards about the same.
-std::atomic<int32_t> g_prefetch_level{[] {
-  const char* e = std::getenv("CODESPEC_PREFETCH_LEVEL");
-  return e && e[0] == '1' ? 1 : 2;
-}()};
+using qgp::g_prefetch_level;
 
 // Rows this many at a time in the scratch paths: x's slice stays in L2 (64 x K floats)
 // while every panel is widened once for it.
@@ -642,8 +692,7 @@ void panels_scalar(const Args& a, int64_t p0, int64_t p1) {
 
 }  // namespace
 
-#ifdef QG_X86
-#ifdef QG_AVX512
+#ifdef QG_EMIT_Z512
 // =======================================================================================
 // AVX-512 (F, BW, VL, DQ): one zmm = 16 columns.
 #pragma GCC push_options
@@ -805,7 +854,17 @@ constexpr int SCRATCH_ROWS = 8;  // rows per pass over a widened panel (8 FMA ch
 }  // namespace z512
 }  // namespace
 #pragma GCC pop_options
-#endif  // QG_AVX512
+#ifdef QG_PART_AVX512
+namespace qgp {
+void* z512_panels(int t) { QG_PANELS_OF(z512, t) }
+void z512_dequant(int t, const void* ref, int64_t K, float* out) {
+  z512::dequant_panel(t, *static_cast<const Ref*>(ref), K, out);
+}
+}  // namespace qgp
+#endif
+#endif  // QG_EMIT_Z512
+
+#ifdef QG_EMIT_Z256
 
 // =======================================================================================
 // AVX2 + FMA + F16C: two ymm = 16 columns (lo: columns 0-7, hi: 8-15).
@@ -1002,7 +1061,31 @@ constexpr int SCRATCH_ROWS = 4;  // 8 accumulators of the 16 registers
 }  // namespace z256
 }  // namespace
 #pragma GCC pop_options
-#endif  // QG_X86
+#ifdef QG_PART_AVX2
+namespace qgp {
+void* z256_panels(int t) { QG_PANELS_OF(z256, t) }
+void z256_dequant(int t, const void* ref, int64_t K, float* out) {
+  z256::dequant_panel(t, *static_cast<const Ref*>(ref), K, out);
+}
+}  // namespace qgp
+#endif
+#endif  // QG_EMIT_Z256
+
+#ifdef QG_BASE
+namespace qgp {
+std::atomic<int64_t> g_prefetch_ahead{[] {
+  const char* e = std::getenv("CODESPEC_PREFETCH_AHEAD");
+  return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{4};
+}()};
+std::atomic<int64_t> g_expand_rows{[] {
+  const char* e = std::getenv("CODESPEC_EXPAND_ROWS");
+  return e ? static_cast<int64_t>(std::atoi(e)) : int64_t{1};
+}()};
+std::atomic<int32_t> g_prefetch_level{[] {
+  const char* e = std::getenv("CODESPEC_PREFETCH_LEVEL");
+  return e && e[0] == '1' ? 1 : 2;
+}()};
+}  // namespace qgp
 
 namespace {
 
@@ -1029,26 +1112,14 @@ bool isa_ok(int isa) {
 using PanelFn = void (*)(const Args&, int64_t, int64_t);
 
 PanelFn pick(int isa, int t) {
-#ifdef QG_X86
-#define QG_PICK(NS)                                  \
-  switch (t) {                                       \
-    case T_Q8_0: return NS::panels<T_Q8_0>;          \
-    case T_Q4_0: return NS::panels<T_Q4_0>;          \
-    case T_Q4_1: return NS::panels<T_Q4_1>;          \
-    case T_Q5_0: return NS::panels<T_Q5_0>;          \
-    case T_Q5_1: return NS::panels<T_Q5_1>;          \
-    case T_Q4_K: return NS::panels<T_Q4_K>;          \
-    case T_Q5_K: return NS::panels<T_Q5_K>;          \
-    case T_Q6_K: return NS::panels<T_Q6_K>;          \
-    default: return nullptr;                         \
-  }
 #ifdef QG_AVX512
-  if (isa >= ISA_AVX512) QG_PICK(z512)
+  if (isa >= ISA_AVX512) return reinterpret_cast<PanelFn>(qgp::z512_panels(t));
 #endif
-  if (isa == ISA_AVX2) QG_PICK(z256)
-#undef QG_PICK
+#ifdef QG_X86
+  if (isa == ISA_AVX2) return reinterpret_cast<PanelFn>(qgp::z256_panels(t));
 #endif
   (void)isa;
+  (void)t;
   return panels_scalar;
 }
 
@@ -1172,11 +1243,11 @@ void cs_q_dequant(int t, const uint8_t* P, int64_t N, int64_t K, float* out, int
   for (int64_t p = 0; p < npanel; ++p) {
     const Ref r = ref_of(P, npanel, nb * 16 * ds.native, p, 16 * ds.native);
 #ifdef QG_AVX512
-    if (isa >= ISA_AVX512) z512::dequant_panel(t, r, K, S.data());
+    if (isa >= ISA_AVX512) qgp::z512_dequant(t, &r, K, S.data());
     else
 #endif
 #ifdef QG_X86
-    if (isa == ISA_AVX2) z256::dequant_panel(t, r, K, S.data());
+    if (isa == ISA_AVX2) qgp::z256_dequant(t, &r, K, S.data());
     else
 #endif
       for (int64_t b = 0; b < nb; ++b) {
@@ -1206,6 +1277,7 @@ int cs_qgemm(int t, const float* x, int64_t M, int64_t K, int64_t ldx, const uin
 }
 
 }  // extern "C"
+#endif  // QG_BASE
 
 
 // =======================================================================================
@@ -1316,8 +1388,7 @@ void panels_i8_scalar(const ArgsI8& ai, int64_t p0, int64_t p1) {
 
 }  // namespace
 
-#ifdef QG_X86
-#ifdef QG_AVX512
+#ifdef QG_EMIT_V512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 namespace {
@@ -1635,8 +1706,19 @@ int64_t dot_peak(int64_t iters) {
 }  // namespace v512
 }  // namespace
 #pragma GCC pop_options
-#endif  // QG_AVX512
 
+namespace qgp {
+void* v512_panels(int t) { QG_PANELS_OF(v512, t) }
+void* v512_quantize() { return reinterpret_cast<void*>(v512::quantize_blocks); }
+int64_t v512_dot_peak(int64_t iters) { return v512::dot_peak(iters); }
+int v512_amx(int on) {
+  if (!v512::amx_granted()) return -1;
+  return on == 0 || on == 1 ? v512::g_amx_on.exchange(on) : v512::g_amx_on.load();
+}
+}  // namespace qgp
+#endif  // QG_EMIT_V512
+
+#ifdef QG_EMIT_V256
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace {
@@ -1953,8 +2035,15 @@ int64_t dot_peak(int64_t iters) {
 }  // namespace v256
 }  // namespace
 #pragma GCC pop_options
-#endif  // QG_X86
 
+namespace qgp {
+void* v256_panels(int t) { QG_PANELS_OF(v256, t) }
+void* v256_quantize() { return reinterpret_cast<void*>(v256::quantize_blocks); }
+int64_t v256_dot_peak(int64_t iters) { return v256::dot_peak(iters); }
+}  // namespace qgp
+#endif  // QG_EMIT_V256
+
+#ifdef QG_BASE
 namespace {
 
 using PanelFnI8 = void (*)(const ArgsI8&, int64_t, int64_t);
@@ -1963,35 +2052,23 @@ using QuantFn = void (*)(const float*, int64_t, int64_t, Xq&, int64_t, int64_t);
 QuantFn pick_quant(int isa) {
 #ifdef QG_X86
 #ifdef QG_AVX512
-  if (isa == ISA_AVX512_VNNI) return v512::quantize_blocks;
+  if (isa == ISA_AVX512_VNNI) return reinterpret_cast<QuantFn>(qgp::v512_quantize());
 #endif
-  if (isa == ISA_AVX2) return v256::quantize_blocks;
+  if (isa == ISA_AVX2) return reinterpret_cast<QuantFn>(qgp::v256_quantize());
 #endif
   (void)isa;
   return quantize_blocks_scalar;
 }
 
 PanelFnI8 pick_i8(int isa, int t) {
-#ifdef QG_X86
-#define QG_PICK(NS)                                  \
-  switch (t) {                                       \
-    case T_Q8_0: return NS::panels<T_Q8_0>;          \
-    case T_Q4_0: return NS::panels<T_Q4_0>;          \
-    case T_Q4_1: return NS::panels<T_Q4_1>;          \
-    case T_Q5_0: return NS::panels<T_Q5_0>;          \
-    case T_Q5_1: return NS::panels<T_Q5_1>;          \
-    case T_Q4_K: return NS::panels<T_Q4_K>;          \
-    case T_Q5_K: return NS::panels<T_Q5_K>;          \
-    case T_Q6_K: return NS::panels<T_Q6_K>;          \
-    default: return nullptr;                         \
-  }
 #ifdef QG_AVX512
-  if (isa == ISA_AVX512_VNNI) QG_PICK(v512)
+  if (isa == ISA_AVX512_VNNI) return reinterpret_cast<PanelFnI8>(qgp::v512_panels(t));
 #endif
-  if (isa == ISA_AVX2) QG_PICK(v256)
-#undef QG_PICK
+#ifdef QG_X86
+  if (isa == ISA_AVX2) return reinterpret_cast<PanelFnI8>(qgp::v256_panels(t));
 #endif
   (void)isa;
+  (void)t;
   return panels_i8_scalar;
 }
 
@@ -2026,8 +2103,7 @@ extern "C" {
 // kernel offers no AMX-INT8 (then nothing changes).
 int cs_q_amx(int on) {
 #ifdef QG_AVX512
-  if (!v512::amx_granted()) return -1;
-  return on == 0 || on == 1 ? v512::g_amx_on.exchange(on) : v512::g_amx_on.load();
+  return qgp::v512_amx(on);
 #else
   (void)on;
   return -1;
@@ -2133,10 +2209,10 @@ double cs_qgemm_i8_peak(int isa, int64_t threads, int64_t iters, int64_t rounds)
 #ifdef QG_X86
   const auto dot_peak = [](int i, int64_t n) {
 #ifdef QG_AVX512
-    if (i == ISA_AVX512_VNNI) return v512::dot_peak(n);
+    if (i == ISA_AVX512_VNNI) return qgp::v512_dot_peak(n);
 #endif
     (void)i;
-    return v256::dot_peak(n);
+    return qgp::v256_dot_peak(n);
   };
   if (!isa_ok(isa) || (isa != ISA_AVX2 && isa != ISA_AVX512_VNNI) || threads < 1 || iters < 1)
     return 0.0;
@@ -2159,3 +2235,4 @@ double cs_qgemm_i8_peak(int isa, int64_t threads, int64_t iters, int64_t rounds)
 }
 
 }  // extern "C"
+#endif  // QG_BASE

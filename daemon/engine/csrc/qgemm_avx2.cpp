@@ -1,0 +1,4 @@
+// Part QG_PART_AVX2 of qgemm.cpp: the widening (exact) products of AVX2.
+// An object of its own, so that the kernel's parts compile at once (see qgemm.cpp).
+#define QG_PART_AVX2 1
+#include "qgemm.cpp"

@@ -1,0 +1,4 @@
+// Part QG_PART_AVX512_I8 of qgemm.cpp: the int8 products of AVX-512, the AMX tiles' included.
+// An object of its own, so that the kernel's parts compile at once (see qgemm.cpp).
+#define QG_PART_AVX512_I8 1
+#include "qgemm.cpp"
