@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from codespec.daemon.engine import gguf_weights
+
 ARCHITECTURES = ("llama", "qwen2", "mistral")  # general.architecture values we import
 # GGUF tensor types the import dequantizes (the ``gguf`` library's numpy dequantizers).
 TENSOR_TYPES = (
@@ -39,33 +41,40 @@ def one_line(exc: BaseException) -> str:
 
 def check_gguf(path: Path) -> dict[str, Any]:
     """Read a GGUF's header: architecture and tensor types, refused with one line when
-    codespec cannot import them. Returns ``{"architecture", "name", "types"}``."""
+    codespec cannot import them. Returns ``{"architecture", "name", "types"}``. Read by
+    :func:`.gguf_weights.read`, which skips the tokenizer's arrays (the ``gguf`` library's
+    reader parses each of Qwen2.5's ~600,000 strings: ~15 s)."""
     try:
-        from gguf import GGUFReader
+        import gguf as gg
     except ImportError:  # pragma: no cover - a dependency
         raise UnsupportedGGUF("reading .gguf files needs the `gguf` package") from None
     try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # truncated, not a GGUF, an unknown version
+        g = gguf_weights.read(path)
+    except gguf_weights.GGUFError as exc:  # truncated, not a GGUF, an unknown version
         raise UnsupportedGGUF(f"{path} is not a readable GGUF file: {one_line(exc)}") from None
 
-    def field(key: str) -> str | None:
-        f = reader.fields.get(key)
-        if f is None or not f.data:
-            return None
-        return bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
+    def text(key: str) -> str | None:
+        value = g.meta.get(key)
+        return value if isinstance(value, str) else None
 
-    arch = field("general.architecture") or "?"
+    arch = text("general.architecture") or "?"
     if arch not in ARCHITECTURES:
         raise UnsupportedGGUF(
             f"{path.name}: architecture {arch!r} is not supported "
             f"(codespec imports {', '.join(ARCHITECTURES)})"
         )
-    types = sorted({t.tensor_type.name for t in reader.tensors})
+
+    def type_name(t: int) -> str:
+        try:
+            return gg.GGMLQuantizationType(t).name
+        except ValueError:
+            return f"type {t}"
+
+    types = sorted({type_name(t.type_id) for t in g.tensors.values()})
     bad = [t for t in types if t not in TENSOR_TYPES]
     if bad:
         raise UnsupportedGGUF(f"{path.name}: tensor type {', '.join(bad)} is not supported")
-    return {"architecture": arch, "name": field("general.name") or path.stem, "types": types}
+    return {"architecture": arch, "name": text("general.name") or path.stem, "types": types}
 
 
 def source_types(gguf: Path, config: Any, keys: Iterable[str]) -> dict[str, str]:
@@ -93,14 +102,52 @@ def write_checkpoint(gguf: Path, out: Path) -> None:
 
 
 def _config(gguf: Path) -> Any:
-    """transformers' config for the GGUF, read from its metadata."""
+    """transformers' config for the GGUF, read from its metadata (:func:`config_dict`)."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = AutoConfig.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-    )
+    d = config_dict(gguf)
+    if d is None:  # not one of ours: transformers' own (slow) reading
+        config = AutoConfig.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        )
+    else:
+        config = CONFIG_MAPPING[d["model_type"]].from_dict(d)
     config._name_or_path = ""
     return config
+
+
+def config_dict(gguf: Path) -> dict[str, Any] | None:
+    """The config transformers makes of the GGUF's metadata (its ``load_gguf_checkpoint``
+    ``["config"]``: each key renamed by its ``GGUF_CONFIG_MAPPING``, the embeddings tied
+    where there is no ``output.weight``, the vocabulary's size from the tokens where the
+    file does not say), from :func:`.gguf_weights.read`: transformers reads that config
+    with the ``gguf`` library's reader, which parses every tokenizer string first (~25 s
+    for Qwen2.5's ~600,000, each time). None for an architecture not in
+    :data:`ARCHITECTURES`. The tests check that it equals transformers' own."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    g = gguf_weights.read(gguf)
+    arch = g.meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        return None
+    name = g.meta.get("general.name")
+    # (transformers tests a list of the name's values for "mistral", as written here)
+    updated = "mistral" if "llama" in arch and "mistral" in ([name] if name else []) else arch
+    out: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in g.tensors}
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch))
+    for key, value in (defaults or {}).items():
+        out.setdefault(key, value)
+    for key, value in g.meta.items():
+        prefix, _, rest = key.replace(arch, updated).partition(".")
+        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest, -1)
+        if renamed in (-1, None) or isinstance(value, tuple):  # not a config key; an array
+            continue
+        out[renamed] = value.replace(arch, updated) if isinstance(value, str) else value
+    tokens = g.meta.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in out and isinstance(tokens, tuple):  # ("array", count)
+        out["vocab_size"] = tokens[1]
+    return out
 
 
 def write_config(gguf: Path, out: Path) -> None:
@@ -108,10 +155,17 @@ def write_config(gguf: Path, out: Path) -> None:
     the config and builds the tokenizer from the GGUF's metadata. What the lean runner (which
     reads the blocks from the GGUF itself) and the tokenizer need; no weights."""
     from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    _config(gguf).save_pretrained(str(out))
+    config = _config(gguf)
+    config.save_pretrained(str(out))
+    # the tokenizer class registered for the config's model type (where one is), named:
+    # without it, AutoTokenizer reads the file's config the slow way (see config_dict)
+    # only to find that class
+    named = config.model_type in ARCHITECTURES and config.model_type in TOKENIZER_MAPPING_NAMES
+    kind = {"tokenizer_type": config.model_type} if named else {}
     tok = AutoTokenizer.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True, **kind
     )
     try:
         tok.save_pretrained(str(out))
