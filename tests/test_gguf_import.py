@@ -65,6 +65,9 @@ def test_qwen2_is_read_without_the_gguf_librarys_reader(gguf_dir, tmp_path, monk
     assert (tmp_path / "tokenizer.json").is_file() and (tmp_path / "config.json").is_file()
 
 
-def test_an_architecture_not_ours_has_no_fast_config(gguf_dir):
-    path = write_gguf(gguf_dir / "gpt2.gguf", "gpt2", "F16")
+@pytest.mark.parametrize("arch", ["gpt2", "mistral"])
+def test_only_the_checked_architectures_are_read_fast(gguf_dir, arch):
+    """A mistral file (imported, but its fast reading unchecked) and one codespec does
+    not import are left to transformers' own reading."""
+    path = write_gguf(gguf_dir / f"{arch}.gguf", arch, "F16")
     assert gguf_import.config_dict(path) is None

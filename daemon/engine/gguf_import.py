@@ -21,6 +21,11 @@ from typing import Any
 from codespec.daemon.engine import gguf_weights
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")  # general.architecture values we import
+# Those whose config (config_dict) and tokenizer class (write_config) codespec reads
+# itself, checked against transformers' own reading by the tests; a mistral file is
+# read transformers' way (slower: the gguf library parses its tokenizer's strings).
+READ_FAST = ("llama", "qwen2")
+TOKENIZER_TYPES = ("qwen2",)  # llama has no registered tokenizer type
 # GGUF tensor types the import dequantizes (the ``gguf`` library's numpy dequantizers).
 TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -127,12 +132,12 @@ def config_dict(gguf: Path) -> dict[str, Any] | None:
     file does not say), from :func:`.gguf_weights.read`: transformers reads that config
     with the ``gguf`` library's reader, which parses every tokenizer string first (~25 s
     for Qwen2.5's ~600,000, each time). None for an architecture not in
-    :data:`ARCHITECTURES`. The tests check that it equals transformers' own."""
+    :data:`READ_FAST`. The tests check that it equals transformers' own."""
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     g = gguf_weights.read(gguf)
     arch = g.meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in READ_FAST:
         return None
     name = g.meta.get("general.name")
     # (transformers tests a list of the name's values for "mistral", as written here)
@@ -165,7 +170,7 @@ def write_config(gguf: Path, out: Path) -> None:
     # the tokenizer class registered for the config's model type (where one is), named:
     # without it, AutoTokenizer reads the file's config the slow way (see config_dict)
     # only to find that class
-    named = config.model_type in ARCHITECTURES and config.model_type in TOKENIZER_MAPPING_NAMES
+    named = config.model_type in TOKENIZER_TYPES and config.model_type in TOKENIZER_MAPPING_NAMES
     kind = {"tokenizer_type": config.model_type} if named else {}
     tok = AutoTokenizer.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, local_files_only=True, **kind
