@@ -19,9 +19,7 @@ forces one (a name this CPU lacks is an error, not a silent fallback); so does t
 ``isa`` argument of :func:`linear`. The library is built once with the system compiler
 into :func:`codespec.native.kernel_dir`, without ``-march``: each ISA's code
 carries its own target attributes (``#pragma GCC target``: g++ builds it, clang++ does
-not). Its sources compile at once, one object each: ``qgemm.cpp`` is cut into parts (per
-vector ISA, the widening and the int8 products apart; ``qgemm_*.cpp`` each select one),
-so that on two cores no one object is most of a first run's compile.
+not). Its sources compile at once, ``qgemm.cpp`` cut into parts (``qgemm_*.cpp``).
 
 :func:`linear_i8` is a separate, inexact variant (llama.cpp's way): x rounded to int8
 per 32 inputs and blocks multiplied by integer dot products (AVX-512 VNNI, else AVX2).
@@ -48,11 +46,8 @@ from codespec.daemon.engine.cpu_gemm import THREADED_ROWS, THREADED_WEIGHTS, cpu
 from codespec.native import NativeLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
-# qgemm.cpp's parts per vector ISA are objects of their own, compiled at once beside the
-# rest of it (see qgemm.cpp); in the same library: the lean runner's decoder stack
-# (``qstack``), calling them.
-PARTS = ("avx2", "avx2_i8", "avx512", "avx512_i8")
-SOURCES = (SOURCE, *(SOURCE.parent / f"qgemm_{p}.cpp" for p in PARTS), SOURCE.parent / "stack.cpp")
+_PARTS = ("qgemm", "qgemm_avx2", "qgemm_avx2_i8", "qgemm_avx512", "qgemm_avx512_i8", "stack")
+SOURCES = tuple(SOURCE.parent / f"{n}.cpp" for n in _PARTS)  # qgemm.cpp's parts; qstack's stack
 # included by stack.cpp / by qgemm.cpp (once per vector ISA; the AMX tiles' path once)
 HEADERS = tuple(SOURCE.parent / f"{n}.inc.cpp" for n in ("lean_ops", "qgemm_exact", "qgemm_amx"))
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
