@@ -70,7 +70,7 @@ def load_runner(
         except Exception as exc:
             raise ModelLoadError(f"cannot load {path}: {one_line(exc)}") from exc
         if got is not None:
-            row_split.calibrate(got[0])  # this machine's way of sharing small forwards
+            row_split.calibrate_kept(got[0], path)  # this machine's way of sharing small forwards
             return got
     try:
         path = str(models.hf_checkpoint(path))
