@@ -953,14 +953,16 @@ def test_the_folder_weights_can_be_asked_for(tmp_path: Path, monkeypatch) -> Non
     assert got is not None and got[0].gguf and not got[0].int8
 
 
-def test_fast_tokenizer_answers_as_autotokenizer(tmp_path: Path) -> None:
-    """The daemon's tokenizer without transformers: vocabulary, specials, decode and the
-    chat template render as AutoTokenizer's do (a tokenizer the model cache wrote)."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fast_tokenizer_answers_as_autotokenizer(tmp_path: Path, arch: str) -> None:
+    """The daemon's tokenizer without transformers: vocabulary, specials, encode, decode
+    and the chat template render as AutoTokenizer's do (a tokenizer the model cache wrote;
+    a qwen2 folder names transformers 5's ``Qwen2Tokenizer``)."""
     from transformers import AutoTokenizer
 
     from codespec.daemon.engine import models, tokenizer
 
-    path = _write(tmp_path / "src" / "q.gguf", "Q8_0")
+    path = _write(tmp_path / "src" / "q.gguf", "Q8_0", arch)
     folder = models.import_gguf(path, tmp_path / "cache")
     assert tokenizer.fast_enough(folder)
     fast, slow = tokenizer.load(folder), AutoTokenizer.from_pretrained(str(folder))
@@ -969,7 +971,9 @@ def test_fast_tokenizer_answers_as_autotokenizer(tmp_path: Path) -> None:
     assert fast.eos_token_id == slow.eos_token_id
     assert fast.all_special_ids == sorted(slow.all_special_ids)
     assert fast.convert_tokens_to_ids("<file_sep>") == slow.convert_tokens_to_ids("<file_sep>")
-    ids = slow.backend_tokenizer.encode("def f(x):\n    return 'é' # 中文").ids
+    text = "def f(x):\n    return 'é' # 中文<|im_end|>\r\n\t  x"
+    ids = slow(text, add_special_tokens=False).input_ids
+    assert fast.backend_tokenizer.encode(text, add_special_tokens=False).ids == ids
     assert fast.decode(ids) == slow.decode(ids, skip_special_tokens=False)
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "a\n b"}]
     for gen in (True, False):

@@ -26,6 +26,10 @@ from codespec.daemon.text.protocols import Tokenizer
 # tokenizer_config.json keys that change nothing the adapter answers
 _PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2TokenizerFast"}
 _PLAIN_CLASSES |= {"Qwen2TokenizerFast", "LlamaTokenizerFast", "CodeGenTokenizerFast"}
+# transformers 5's Qwen2 class (no "Fast"): a tokenizers backend whose pipeline the folder's
+# tokenizer.json holds as written; the default model's folder names it. The tests check
+# the adapter against it on a qwen2 GGUF's folder, as on a llama one's.
+_PLAIN_CLASSES |= {"Qwen2Tokenizer"}
 
 
 class FastTokenizer:
