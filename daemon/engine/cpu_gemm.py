@@ -60,14 +60,26 @@ _products: dict[torch.dtype, Callable[..., None]] = {}  # panel dtype -> the ker
 
 
 @functools.cache
+def _cpuinfo() -> str:
+    """``/proc/cpuinfo``'s text, read once (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as ``/proc/cpuinfo`` names them (empty where it cannot be
     read); read once."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return parse_flags(f.read())
-    except OSError:
-        return frozenset()
+    return parse_flags(_cpuinfo())
+
+
+def cpu_name() -> str:
+    """The CPU's model name as ``/proc/cpuinfo`` gives it, else the platform's."""
+    line = next((ln for ln in _cpuinfo().splitlines() if ln.startswith("model name")), "")
+    return line.partition(":")[2].strip() or platform.processor() or platform.machine()
 
 
 def parse_flags(cpuinfo: str) -> frozenset[str]:

@@ -16,9 +16,9 @@ leaves the cache empty); of the state directory, anything but its ``row_split.js
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from codespec.daemon.engine import quant_gemm
+from codespec.daemon.engine.cpu_gemm import cpu_flags, cpu_name
 from codespec.native import state_dir
 
 SIZES = (8, 16, 32)  # tokens of the forwards timed (verifications' sizes)
@@ -102,28 +103,19 @@ def _usable(runner: Any) -> Any:
     return lib
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def calibrate_kept(runner: Any, model: str, store: Path | None = None) -> int | None:
     """:func:`calibrate`, timed once per machine and model: the switch is kept in
     ``store`` (default ``row_split.json`` in codespec's state directory) under this
-    CPU's name, the thread count, the kernel's build, ``model`` (a model folder, whose
-    name holds its hash) and the runner's context; a later load sets the kept switch
-    without timing (2.9 s of each start of the 0.5B on a 2-core VM). A store that cannot
-    be read or written is passed over: the switch is timed, as before."""
+    CPU's name and feature flags (a VM's name may be only its vendor's: "AMD EPYC"), the
+    thread count, the kernel's build, ``model`` (a model folder, whose name holds its
+    hash) and the runner's context; a later load sets the kept switch without timing
+    (2.9 s of each start of the 0.5B on a 2-core VM). A store that cannot be read or
+    written is passed over: the switch is timed, as before."""
     lib = _usable(runner)
     if lib is None:
         return None
-    key = " | ".join((_cpu_name(), str(torch.get_num_threads()), Path(lib._name).name,
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    key = " | ".join((cpu_name(), flags, str(torch.get_num_threads()), Path(lib._name).name,
                       str(model), str(runner.max_length)))  # fmt: skip
     store = store or state_dir() / "row_split.json"
     try:
