@@ -14,6 +14,7 @@ Must not touch: the model cache (where folders live, manifests, locking: that is
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,8 @@ def check_gguf(path: Path) -> dict[str, Any]:
     codespec cannot import them. Returns ``{"architecture", "name", "types"}``. Read by
     :func:`.gguf_weights.read`, which skips the tokenizer's arrays (the ``gguf`` library's
     reader parses each of Qwen2.5's ~600,000 strings: ~15 s)."""
-    try:
-        import gguf as gg
-    except ImportError:  # pragma: no cover - a dependency
-        raise UnsupportedGGUF("reading .gguf files needs the `gguf` package") from None
+    if importlib.util.find_spec("gguf") is None:  # pragma: no cover - a dependency
+        raise UnsupportedGGUF("reading .gguf files needs the `gguf` package")
     try:
         g = gguf_weights.read(path)
     except gguf_weights.GGUFError as exc:  # truncated, not a GGUF, an unknown version
@@ -68,18 +67,21 @@ def check_gguf(path: Path) -> dict[str, Any]:
             f"{path.name}: architecture {arch!r} is not supported "
             f"(codespec imports {', '.join(ARCHITECTURES)})"
         )
-
-    def type_name(t: int) -> str:
-        try:
-            return gg.GGMLQuantizationType(t).name
-        except ValueError:
-            return f"type {t}"
-
-    types = sorted({type_name(t.type_id) for t in g.tensors.values()})
+    types = sorted({_type_name(t.type_id) for t in g.tensors.values()})
     bad = [t for t in types if t not in TENSOR_TYPES]
     if bad:
         raise UnsupportedGGUF(f"{path.name}: tensor type {', '.join(bad)} is not supported")
     return {"architecture": arch, "name": text("general.name") or path.stem, "types": types}
+
+
+def _type_name(type_id: int) -> str:
+    """A GGML tensor type's name (the ``gguf`` library's), or ``type N`` for one it lacks."""
+    import gguf as gg
+
+    try:
+        return gg.GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"type {type_id}"
 
 
 def source_types(gguf: Path, config: Any, keys: Iterable[str]) -> dict[str, str]:
@@ -91,8 +93,7 @@ def source_types(gguf: Path, config: Any, keys: Iterable[str]) -> dict[str, str]
 
     arch = next(k for k, v in gg.MODEL_ARCH_NAMES.items() if v == config.model_type)
     names = gg.get_tensor_name_map(arch, int(config.num_hidden_layers))
-    types = {t.name: gg.GGMLQuantizationType(t.type_id).name
-             for t in gguf_weights.read(gguf).tensors.values()}  # fmt: skip
+    types = {t.name: _type_name(t.type_id) for t in gguf_weights.read(gguf).tensors.values()}
     out = {}
     for key in keys:
         base, _, suffix = key.rpartition(".")
